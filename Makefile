@@ -1,0 +1,28 @@
+# The two commands a newcomer needs: `make up` and `make test`.
+# Both bootstrap uv into .tools/ (pip only, nothing system-wide) and the project's
+# locked dependencies into .venv/, then run.
+
+PYTHON ?= python3
+UV_VERSION := 0.13.8
+UV := .tools/bin/uv
+export UV_PYTHON_DOWNLOADS := never
+
+.PHONY: up test lint sync
+
+$(UV):
+	$(PYTHON) -m venv .tools
+	.tools/bin/pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+
+sync: $(UV)
+	$(UV) sync --frozen --quiet
+
+up: sync
+	.venv/bin/llmgw up $(ARGS)
+
+test: sync
+	.venv/bin/ruff check .
+	.venv/bin/pytest $(ARGS)
+
+lint: sync
+	.venv/bin/ruff check .
+	.venv/bin/lint-imports

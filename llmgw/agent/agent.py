@@ -1,0 +1,182 @@
+"""The agent's connection to the control plane.
+
+The agent dials out (nodes sit behind firewalls more often than control planes do) and
+keeps dialling forever over its list of addresses, with jittered exponential backoff so
+that a fleet does not reconnect in lockstep after a control-plane restart. Shards keep
+running while it is away; on every (re)connection it reports them for adoption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+import aiohttp
+
+from llmgw import __version__, wire
+from llmgw.agent.discovery import host
+from llmgw.agent.runtime import ProcessRuntime
+from llmgw.agent.shards import ShardSupervisor
+from llmgw.config import AgentConfig
+
+log = logging.getLogger(__name__)
+
+STREAM_PATH = "/agent/v1/stream"
+# A session that lasted this long was healthy: the next failure starts the backoff over.
+_HEALTHY_SESSION_S = 10.0
+
+
+class StreamRefused(Exception):
+    """The control plane refused this agent; retried with backoff, and logged with why."""
+
+
+def stream_url(server: str) -> str:
+    server = server.rstrip("/")
+    if server.startswith("https://"):
+        return "wss://" + server[len("https://"):] + STREAM_PATH
+    if server.startswith("http://"):
+        return "ws://" + server[len("http://"):] + STREAM_PATH
+    return server + STREAM_PATH
+
+
+def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """Full jitter: anywhere between zero and the exponential ceiling."""
+    return rng.uniform(0, min(max_s, initial_s * 2**attempt))
+
+
+class Agent:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.node_id = config.node_id or host.hostname()
+        self.address = config.address or host.route_source_address(config.servers[0])
+        self.runtime = ProcessRuntime(config.state_dir)
+        log.info("runtime: plain processes (no systemd runtime in this build); shards and "
+                 "their logs are under %s", self.runtime._dir)
+        self._outbox: asyncio.Queue[wire.Up] = asyncio.Queue()
+        self._connected = False
+        self._rng = random.Random()
+        self.supervisor = ShardSupervisor(
+            self.runtime,
+            bind_address=self.address,
+            binaries={name: e.binary for name, e in config.engines.items()},
+            report=self._send,
+        )
+
+    def _send(self, message: wire.Up) -> None:
+        # While disconnected nothing is queued: the next Register carries the whole state.
+        if self._connected:
+            self._outbox.put_nowait(message)
+
+    def inventory(self) -> wire.Inventory:
+        facts = host.describe()
+        engines = [wire.Engine(name="sim", version=__version__, state="installed")]
+        engines += [
+            wire.Engine(name=name, version=e.version, state="configured",
+                        detail=f"named in agent.yaml: {e.binary}")
+            for name, e in sorted(self.config.engines.items())
+        ]
+        return wire.Inventory(
+            **facts, engines=engines, engines_probed=True, fabric=self.config.fabric,
+            labels=dict(self.config.labels),
+        )
+
+    def register(self) -> wire.Register:
+        return wire.Register(
+            node_id=self.node_id, address=self.address, inventory=self.inventory(),
+            running=self.supervisor.running(), port_range=tuple(self.config.port_range),
+            agent_version=__version__,
+        )
+
+    async def run(self) -> None:
+        """Serve until cancelled."""
+        async with self.supervisor:
+            adopted = await self.supervisor.adopt_running()
+            if adopted:
+                log.info("found %d shard(s) still running", adopted)
+            try:
+                await self._connect_forever()
+            finally:
+                if self.config.stop_shards_on_exit:
+                    log.info("stopping every shard before exit")
+                    await asyncio.shield(self.supervisor.stop_all())
+
+    async def _connect_forever(self) -> None:
+        attempt = 0
+        servers = self.config.servers
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                server = servers[attempt % len(servers)]
+                began = time.monotonic()
+                try:
+                    await self._session(http, server)
+                    reason = "the control plane closed the stream"
+                except StreamRefused as err:
+                    reason = f"refused: {err}"
+                except (aiohttp.ClientError, OSError, TimeoutError, wire.WireError) as err:
+                    reason = f"{type(err).__name__}: {err}"
+                finally:
+                    self._connected = False
+                if time.monotonic() - began >= _HEALTHY_SESSION_S:
+                    attempt = 0
+                delay = backoff_delay(attempt, self.config.reconnect.initial_s,
+                                      self.config.reconnect.max_s, self._rng)
+                log.warning("stream to %s ended (%s); reconnecting in %.1f s", server, reason,
+                            delay)
+                attempt += 1
+                await asyncio.sleep(delay)
+
+    async def _session(self, http: aiohttp.ClientSession, server: str) -> None:
+        url = stream_url(server)
+        async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20) as ws:
+            await ws.send_bytes(wire.encode(self.register()))
+            welcome = wire.decode_down(await self._receive(ws))
+            if not isinstance(welcome, wire.Welcome):
+                raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
+            log.info("registered with %s as %s (%s)", server, self.node_id, self.address)
+            while not self._outbox.empty():
+                self._outbox.get_nowait()
+            self._connected = True
+            sender = asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s))
+            try:
+                while True:
+                    message = wire.decode_down(await self._receive(ws))
+                    if isinstance(message, wire.StartShard):
+                        self.supervisor.start(message)
+                    elif isinstance(message, wire.StopShard):
+                        self.supervisor.stop(message)
+                    elif message is None:
+                        log.info("skipping a message type this agent does not know")
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await sender
+
+    @staticmethod
+    async def _receive(ws: aiohttp.ClientWebSocketResponse) -> bytes:
+        msg = await ws.receive()
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            return msg.data
+        if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                        aiohttp.WSMsgType.CLOSED):
+            if ws.close_code and ws.close_code >= 4000:
+                raise StreamRefused(f"{ws.close_code} {msg.extra or ''}".strip())
+            raise ConnectionResetError("stream closed")
+        if msg.type == aiohttp.WSMsgType.ERROR:
+            raise ConnectionResetError(f"stream error: {ws.exception()}")
+        raise wire.WireError(f"unexpected {msg.type.name} frame")
+
+    async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse, interval_s: float) -> None:
+        next_beat = time.monotonic()
+        while True:
+            timeout = max(0.0, next_beat - time.monotonic())
+            try:
+                message = await asyncio.wait_for(self._outbox.get(), timeout)
+            except TimeoutError:
+                _, available = host.memory_mib()
+                message = wire.Heartbeat(ram_available_mib=available, sent_at=time.time())
+                next_beat = time.monotonic() + interval_s
+            await ws.send_bytes(wire.encode(message))

@@ -1,0 +1,1 @@
+"""What only the node can know about itself."""

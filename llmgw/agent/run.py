@@ -1,0 +1,24 @@
+"""``llmgw agent``: run the agent until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from llmgw.agent.agent import Agent
+from llmgw.config import AgentConfig
+
+log = logging.getLogger(__name__)
+
+
+async def run_agent(config: AgentConfig) -> None:
+    agent = Agent(config)
+    task = asyncio.create_task(agent.run(), name="agent")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("agent stopped")

@@ -1,0 +1,53 @@
+"""The runtime interface: start, stop, list and watch shard processes.
+
+Two runtimes share it: systemd transient units (a real node) and plain processes (a
+machine without a systemd manager). The agent speaks only to this interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+
+class ShardRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """A running shard as the runtime remembers it; enough to report it for adoption."""
+
+    unit: str
+    replica: str
+    rank: int
+    world_size: int
+    epoch: int
+    model: str
+    profile: str
+    engine: str
+    port: int | None = None
+    health_path: str | None = None
+    pid: int = 0
+    # The process's start time, so a recycled PID is never mistaken for our shard.
+    started_at: float = 0.0
+
+
+class ShardStartError(Exception):
+    """A shard the runtime could not start; the message is for the operator."""
+
+
+class Runtime(Protocol):
+    name: str
+
+    async def start(self, record: ShardRecord, argv: tuple[str, ...], env: dict[str, str]
+                    ) -> ShardRecord:
+        """Start the shard; returns the record with its pid and start time filled in."""
+
+    async def stop(self, unit: str, timeout_s: float = 10.0) -> None:
+        """Stop the shard (TERM, then KILL after ``timeout_s``) and forget it."""
+
+    async def running(self) -> list[ShardRecord]:
+        """Shards that are running now, including ones a previous agent started."""
+
+    async def wait_exit(self, unit: str) -> int | None:
+        """Resolve when the shard's process has exited; its exit code where known."""
+
+    def output_tail(self, unit: str, lines: int = 20) -> list[str]:
+        """The engine's last lines of output."""

@@ -1,0 +1,207 @@
+"""Supervising the shards on this node: launch, readiness, exit, and what to report.
+
+Each shard has one supervising task. It reports ``starting``, waits until the engine's
+health endpoint answers (or the process dies, or the profile's startup timeout passes),
+reports ``ready``, then waits for the process to exit and reports ``failed`` with the
+engine's last lines, unless the control plane asked it to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+
+from llmgw import engines, wire
+from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
+from llmgw.core.names import shard_unit
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[wire.ShardStatus], None]
+
+_HEALTH_POLL_S = 0.1
+
+
+class ShardSupervisor:
+    def __init__(self, runtime: Runtime, bind_address: str, binaries: dict[str, str],
+                 report: Report):
+        self._runtime = runtime
+        self._facts = engines.NodeFacts(bind_address, sys.executable, binaries)
+        self._report = report
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._records: dict[str, ShardRecord] = {}
+        self._states: dict[str, wire.ShardState] = {}
+        self._stopping: set[str] = set()
+        self._background: set[asyncio.Task] = set()
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> ShardSupervisor:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._http:
+            await self._http.close()
+
+    # --- what the stream asks --------------------------------------------------------------
+
+    def running(self) -> list[wire.RunningShard]:
+        return [
+            wire.RunningShard(
+                replica=r.replica, rank=r.rank, world_size=r.world_size, epoch=r.epoch,
+                model=r.model, profile=r.profile, engine=r.engine, port=r.port,
+                state=self._states.get(unit, "starting"),
+            )
+            for unit, r in sorted(self._records.items())
+        ]
+
+    async def adopt_running(self) -> int:
+        """Take over the shards an earlier agent started; none of them is restarted."""
+        for record in await self._runtime.running():
+            if record.unit in self._records:
+                continue
+            log.info("adopting %s (pid %d) left running by an earlier agent", record.unit,
+                     record.pid)
+            self._records[record.unit] = record
+            self._tasks[record.unit] = asyncio.create_task(self._watch(record, adopted=True))
+        return len(self._records)
+
+    def start(self, msg: wire.StartShard) -> None:
+        unit = shard_unit(msg.replica, msg.rank)
+        if unit in self._records:
+            known = self._records[unit]
+            if known.epoch >= msg.epoch:
+                log.info("already running %s (epoch %d); ignoring a start for epoch %d",
+                         unit, known.epoch, msg.epoch)
+                self._report(self._status(known, self._states.get(unit, "starting")))
+                return
+        self._tasks[unit] = asyncio.create_task(self._run(unit, msg))
+
+    def stop(self, msg: wire.StopShard) -> None:
+        unit = shard_unit(msg.replica, msg.rank)
+        record = self._records.get(unit)
+        if record is not None and record.epoch > msg.epoch:
+            log.info("refusing to stop %s: epoch %d is older than %d", unit, msg.epoch,
+                     record.epoch)
+            return
+        log.info("stopping %s: %s", unit, msg.reason or "asked by the control plane")
+        self._spawn(self._stop(unit, msg))
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self._stop(u, None) for u in list(self._records)))
+
+    def _spawn(self, coro) -> None:
+        # Keep a reference: the loop holds tasks only weakly.
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- supervision -----------------------------------------------------------------------
+
+    def _status(self, record: ShardRecord, state: wire.ShardState, **extra) -> wire.ShardStatus:
+        return wire.ShardStatus(replica=record.replica, rank=record.rank, epoch=record.epoch,
+                                state=state, port=record.port, **extra)
+
+    def _set(self, record: ShardRecord, state: wire.ShardState, **extra) -> None:
+        self._states[record.unit] = state
+        self._report(self._status(record, state, **extra))
+
+    async def _run(self, unit: str, msg: wire.StartShard) -> None:
+        profile = msg.profile
+        request = engines.ShardRequest(
+            replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
+            args=tuple(profile.args), env=tuple(sorted(profile.env.items())), port=msg.port,
+            gpus=tuple(msg.gpus), weights=profile.weights, leader_address=msg.leader_address,
+            rendezvous_port=msg.rendezvous_port,
+        )
+        record = ShardRecord(
+            unit=unit, replica=msg.replica, rank=msg.rank, world_size=msg.world_size,
+            epoch=msg.epoch, model=msg.model, profile=profile.name, engine=profile.engine,
+        )
+        try:
+            launch = engines.render(profile.engine, request, self._facts)
+            record = msgspec.structs.replace(
+                record, port=launch.port, health_path=launch.health_path
+            )
+            record = await self._runtime.start(record, launch.argv, launch.env)
+        except (engines.EngineError, ShardStartError) as err:
+            self._report(self._status(record, "failed", detail=str(err)))
+            return
+        log.info("started %s (pid %d): %s", unit, record.pid, " ".join(launch.argv))
+        self._records[unit] = record
+        self._set(record, "starting")
+        await self._watch(record, adopted=False, startup_timeout_s=profile.startup_timeout_s)
+
+    async def _watch(self, record: ShardRecord, adopted: bool,
+                     startup_timeout_s: float = 600.0) -> None:
+        exit_task = asyncio.create_task(self._runtime.wait_exit(record.unit))
+        try:
+            ready = await self._until_ready(record, exit_task, startup_timeout_s)
+            if ready:
+                self._set(record, "ready")
+                code = await exit_task
+            elif exit_task.done():
+                code = exit_task.result()
+            else:
+                self._finish(record, f"not ready after {startup_timeout_s:g} s", None)
+                await self._runtime.stop(record.unit)
+                return
+            self._finish(record, "exited" if code is None else f"exited with code {code}", code)
+        finally:
+            exit_task.cancel()
+
+    async def _until_ready(self, record: ShardRecord, exit_task: asyncio.Task,
+                           timeout_s: float) -> bool:
+        if record.port is None or record.health_path is None:
+            # A rank that serves nothing is ready once it runs; its leader decides the rest.
+            return not exit_task.done()
+        url = f"http://{_hostport(self._facts.bind_address, record.port)}{record.health_path}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not exit_task.done():
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with self._http.get(url) as resp:
+                    if resp.status == 200:
+                        return True
+            await asyncio.wait([exit_task], timeout=_HEALTH_POLL_S)
+        return False
+
+    def _finish(self, record: ShardRecord, how: str, code: int | None) -> None:
+        if record.unit in self._stopping or record.unit not in self._records:
+            return
+        del self._records[record.unit]
+        self._states.pop(record.unit, None)
+        tail = self._runtime.output_tail(record.unit)
+        log.warning("%s %s; last output:\n%s", record.unit, how, "\n".join(tail[-5:]))
+        self._report(self._status(record, "failed", detail=how, exit_code=code,
+                                  output_tail=tail))
+        self._spawn(self._runtime.stop(record.unit))
+
+    async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:
+        self._stopping.add(unit)
+        record = self._records.pop(unit, None)
+        task = self._tasks.pop(unit, None)
+        try:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self._runtime.stop(unit)
+        finally:
+            self._stopping.discard(unit)
+            self._states.pop(unit, None)
+        if record is not None and msg is not None:
+            self._report(self._status(record, "stopped", detail=msg.reason))
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,95 @@
+"""``llmgw``: the one command, with a subcommand per role."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from llmgw import __version__
+from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
+from llmgw.core.catalog import CatalogError
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _server(args: argparse.Namespace) -> int:
+    from llmgw.server.auth import SecretsFileError
+    from llmgw.server.run import serve
+    from llmgw.store import StoreError
+
+    config = load(args.config, ServerConfig)
+    _logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except (CatalogError, SecretsFileError, StoreError) as err:
+        print(f"llmgw server: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from llmgw.agent.run import run_agent
+
+    config = load(args.config, AgentConfig)
+    _logging(config.log_level)
+    asyncio.run(run_agent(config))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from llmgw.cli.up import up
+
+    return up(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="llmgw",
+        description="A self-hosted LLM cluster behind one OpenAI-compatible API.",
+    )
+    top.add_argument("--version", action="version", version=f"llmgw {__version__}")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("server", help="run the control plane and gateway",
+                       description="Run the control plane and the OpenAI-compatible gateway.")
+    p.add_argument("--config", "-c", required=True, metavar="server.yaml",
+                   help="the server's configuration file")
+    p.set_defaults(func=_server)
+
+    p = sub.add_parser("agent", help="run the node agent",
+                       description="Run the node agent: dial the control plane, run shards.")
+    p.add_argument("--config", "-c", required=True, metavar="agent.yaml",
+                   help="the agent's configuration file")
+    p.set_defaults(func=_agent)
+
+    p = sub.add_parser("up", help="run everything on this machine",
+                       description="Run a server (SQLite), a local agent and one small model "
+                       "on this machine, and print how to call it. Ctrl-C stops all of it.")
+    p.add_argument("--port", type=int, default=8080, help="the API's port (default 8080)")
+    p.add_argument("--state-dir", default=None,
+                   help="where llmgw keeps its files (default ~/.local/state/llmgw)")
+    p.add_argument("--engine", choices=["sim"], default="sim",
+                   help="the engine of the demo model (default sim)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds to wait for the model to be ready (default 900)")
+    p.set_defaults(func=_up)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, CatalogError) as err:
+        print(f"llmgw {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

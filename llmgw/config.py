@@ -1,0 +1,202 @@
+"""``server.yaml`` and ``agent.yaml``: what an operator writes, checked strictly at start.
+
+Every Struct here forbids unknown fields: a misspelt key is an error that names its path
+(``models[0].profiles[0].gpus: expected int, got str``), never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+import yaml
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names the file and key path."""
+
+
+class _Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+# --- server.yaml ---------------------------------------------------------------------------
+
+
+class Listen(_Config):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+
+
+class StoreSettings(_Config):
+    """``url`` is a SQLAlchemy URL; empty means a SQLite file in the state directory."""
+
+    url: str = ""
+
+
+class Auth(_Config):
+    # Off only makes sense for a single-user `llmgw up` on loopback.
+    require_api_key: bool = True
+
+
+class NodeTimeouts(_Config):
+    heartbeat_interval_s: PositiveSeconds = 3.0
+    unreachable_after_s: PositiveSeconds = 15.0
+    lost_after_s: PositiveSeconds = 60.0
+
+
+class Controller(_Config):
+    interval_s: PositiveSeconds = 2.0
+    restart_backoff_initial_s: PositiveSeconds = 10.0
+    restart_backoff_max_s: PositiveSeconds = 300.0
+    restart_backoff_reset_s: PositiveSeconds = 600.0
+    # How long adopted shards of one replica may wait for their missing ranks to report.
+    adoption_grace_s: PositiveSeconds = 30.0
+
+
+class Profile(_Config):
+    engine: str
+    name: str = "default"
+    nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    gpus: Annotated[int, msgspec.Meta(ge=0)] = 0
+    gpu_memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 0
+    args: list[str] = []
+    env: dict[str, str] = {}
+    weights: str | None = None
+    startup_timeout_s: PositiveSeconds = 600.0
+
+
+class Model(_Config):
+    name: str
+    profiles: Annotated[list[Profile], msgspec.Meta(min_length=1)]
+    replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
+    description: str = ""
+
+
+class ServerConfig(_Config):
+    listen: Listen = msgspec.field(default_factory=Listen)
+    state_dir: str = "/var/lib/llmgw"
+    store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+    auth: Auth = msgspec.field(default_factory=Auth)
+    nodes: NodeTimeouts = msgspec.field(default_factory=NodeTimeouts)
+    controller: Controller = msgspec.field(default_factory=Controller)
+    models: list[Model] = []
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+# --- agent.yaml ----------------------------------------------------------------------------
+
+
+class Reconnect(_Config):
+    initial_s: PositiveSeconds = 0.5
+    max_s: PositiveSeconds = 30.0
+
+
+class EnginePath(_Config):
+    """An engine binary named on purpose; reported as ``configured``."""
+
+    binary: str
+    version: str = ""
+
+
+class AgentConfig(_Config):
+    servers: Annotated[list[str], msgspec.Meta(min_length=1)]
+    node_id: str | None = None
+    address: str | None = None
+    state_dir: str = "/var/lib/llmgw-agent"
+    runtime: Literal["auto", "process"] = "auto"
+    port_range: tuple[Port, Port] = (20000, 20999)
+    fabric: str | None = None
+    labels: dict[str, str] = {}
+    engines: dict[str, EnginePath] = {}
+    reconnect: Reconnect = msgspec.field(default_factory=Reconnect)
+    # `llmgw up` stops its engines with itself; a real node keeps them serving.
+    stop_shards_on_exit: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+# --- loading -------------------------------------------------------------------------------
+
+C = TypeVar("C", ServerConfig, AgentConfig)
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _readable(err: msgspec.ValidationError) -> str:
+    """``Expected `int`, got `str` - at `$.models[0].gpus``` -> ``models[0].gpus: expected
+    int, got str``."""
+    text = str(err)
+    match = _PATH_RE.search(text)
+    message = text[: match.start()] if match else text
+    message = message.replace("`", "")
+    message = message[:1].lower() + message[1:]
+    if not match:
+        return message
+    path = match.group("path").lstrip(".")
+    return f"{path}: {message}" if path else message
+
+
+def parse(data: Any, kind: type[C], source: str = "<config>") -> C:
+    """Check already-parsed YAML/JSON data against ``kind``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {type(data).__name__}"
+        )
+    try:
+        config = msgspec.convert(data, kind, strict=True)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"{source}: {_readable(err)}") from None
+    _check(config, source)
+    return config
+
+
+def load(path: str | Path, kind: type[C]) -> C:
+    """Read a YAML file into ``kind``; every problem is a ConfigError naming file and key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse(data, kind, str(path))
+
+
+def dump(config: ServerConfig | AgentConfig) -> str:
+    return yaml.safe_dump(msgspec.to_builtins(config), sort_keys=False)
+
+
+def _check(config: ServerConfig | AgentConfig, source: str) -> None:
+    """Rules that span fields, which a type alone cannot say."""
+    if isinstance(config, ServerConfig):
+        seen: set[str] = set()
+        for i, model in enumerate(config.models):
+            if model.name in seen:
+                raise ConfigError(f"{source}: models[{i}].name: {model.name!r} is declared twice")
+            seen.add(model.name)
+            names = [p.name for p in model.profiles]
+            for j, name in enumerate(names):
+                if names.index(name) != j:
+                    raise ConfigError(
+                        f"{source}: models[{i}].profiles[{j}].name: {name!r} is used twice "
+                        "in this model; give each profile its own name"
+                    )
+        timeouts = config.nodes
+        if not timeouts.heartbeat_interval_s < timeouts.unreachable_after_s < timeouts.lost_after_s:
+            raise ConfigError(
+                f"{source}: nodes: need heartbeat_interval_s < unreachable_after_s < lost_after_s"
+            )
+    else:
+        low, high = config.port_range
+        if low > high:
+            raise ConfigError(f"{source}: port_range: {low} is above {high}; write it low, high")

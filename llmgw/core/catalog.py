@@ -1,0 +1,95 @@
+"""The catalog: declared models and the profiles they can run with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw import config
+from llmgw.core.names import NameRuleError, check_element, check_model_name
+
+# Engines that need no GPU and no installed binary: they run anywhere.
+CPU_ENGINES = frozenset({"sim", "llama.cpp"})
+KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang", "comfyui"})
+
+
+class CatalogError(ValueError):
+    """A model declaration that cannot be served; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    engine: str
+    nodes: int = 1
+    gpus: int = 0  # per shard (one shard per node)
+    gpu_memory_mib: int = 0  # free memory needed on each of those GPUs
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    weights: str | None = None
+    startup_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    name: str
+    profiles: tuple[Profile, ...]
+    replicas: int = 1
+    description: str = ""
+
+    def profile(self, name: str) -> Profile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    models: tuple[Model, ...] = field(default=())
+
+    def get(self, name: str) -> Model | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+
+def model_from_config(raw: config.Model, where: str = "model") -> Model:
+    try:
+        check_model_name(raw.name)
+    except NameRuleError as err:
+        raise CatalogError(f"{where}.name: {err}") from None
+    profiles = []
+    for i, p in enumerate(raw.profiles):
+        at = f"{where}.profiles[{i}]"
+        try:
+            check_element(p.name, "profile name")
+        except NameRuleError as err:
+            raise CatalogError(f"{at}.name: {err}") from None
+        if p.engine not in KNOWN_ENGINES:
+            raise CatalogError(
+                f"{at}.engine: unknown engine {p.engine!r}; use one of "
+                + ", ".join(sorted(KNOWN_ENGINES))
+            )
+        if p.gpu_memory_mib and not p.gpus:
+            raise CatalogError(f"{at}.gpu_memory_mib is set but gpus is 0; set gpus too")
+        profiles.append(
+            Profile(
+                name=p.name,
+                engine=p.engine,
+                nodes=p.nodes,
+                gpus=p.gpus,
+                gpu_memory_mib=p.gpu_memory_mib,
+                args=tuple(p.args),
+                env=tuple(sorted(p.env.items())),
+                weights=p.weights,
+                startup_timeout_s=p.startup_timeout_s,
+            )
+        )
+    return Model(
+        name=raw.name,
+        profiles=tuple(profiles),
+        replicas=raw.replicas,
+        description=raw.description,
+    )
+
+
+def catalog_from_config(models: list[config.Model]) -> Catalog:
+    return Catalog(tuple(model_from_config(m, f"models[{i}]") for i, m in enumerate(models)))

@@ -1,0 +1,104 @@
+"""Nodes as the control plane sees them, and the node lifecycle.
+
+``registering -> ready <-> unreachable -> lost``; ``draining`` is asked for by an operator.
+A node's state follows from when it was last heard from, so it is computed, not stored.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from llmgw import wire
+
+
+class NodeState(enum.StrEnum):
+    REGISTERING = "registering"
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    unreachable_after_s: float = 15.0
+    lost_after_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    index: int
+    name: str
+    memory_total_mib: int
+    memory_free_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    name: str
+    version: str = ""
+    state: str = "installed"  # installed | configured | installing | failed
+    detail: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.state in ("installed", "configured")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: str
+    address: str
+    state: NodeState
+    gpus: tuple[Gpu, ...] = ()
+    engines: tuple[EngineStatus, ...] = ()
+    cpu_flags: frozenset[str] = frozenset()
+    ram_total_mib: int = 0
+    fabric: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    port_range: tuple[int, int] = (20000, 20999)
+    last_seen: float = 0.0
+    connected: bool = True
+
+    def engine(self, name: str) -> EngineStatus | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+
+@dataclass(slots=True)
+class NodeLiveness:
+    """What the control plane tracks per node between passes."""
+
+    last_seen: float
+    connected: bool = True
+    draining: bool = False
+    lost: bool = False  # once lost, a node stays lost until it registers again
+
+
+def node_state(live: NodeLiveness, now: float, timeouts: Timeouts) -> NodeState:
+    """The state a node is in at ``now``, from when it was last heard from."""
+    silent = now - live.last_seen
+    if live.lost or silent >= timeouts.lost_after_s:
+        return NodeState.LOST
+    if not live.connected or silent >= timeouts.unreachable_after_s:
+        return NodeState.UNREACHABLE
+    if live.draining:
+        return NodeState.DRAINING
+    return NodeState.READY
+
+
+def node_from_register(msg: wire.Register, state: NodeState, last_seen: float) -> Node:
+    inv = msg.inventory
+    return Node(
+        id=msg.node_id,
+        address=msg.address,
+        state=state,
+        gpus=tuple(Gpu(g.index, g.name, g.memory_total_mib, g.memory_free_mib) for g in inv.gpus),
+        engines=tuple(EngineStatus(e.name, e.version, e.state, e.detail) for e in inv.engines),
+        cpu_flags=frozenset(inv.cpu_flags),
+        ram_total_mib=inv.ram_total_mib,
+        fabric=inv.fabric,
+        labels=tuple(sorted(inv.labels.items())),
+        port_range=tuple(msg.port_range),
+        last_seen=last_seen,
+    )

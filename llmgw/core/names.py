@@ -1,0 +1,45 @@
+"""Name rules, defined once and used by the API, the CLI, the controller and the agent."""
+
+from __future__ import annotations
+
+import re
+
+# Model names are what clients send as `model`: allow the usual "org/name:tag" shapes.
+_MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")
+# Profile names and anything that ends up in a unit name or a path: one safe element.
+_ELEMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class NameRuleError(ValueError):
+    """A name that breaks a rule; the message says which rule."""
+
+
+def check_model_name(name: str) -> str:
+    if not _MODEL_RE.match(name) or ".." in name:
+        raise NameRuleError(
+            f"model name {name!r} is not allowed: use 1-128 letters, digits and ._:/+- "
+            "starting with a letter or digit, without '..'"
+        )
+    return name
+
+
+def check_element(name: str, what: str) -> str:
+    """A name that becomes one path element or part of a unit name."""
+    if not _ELEMENT_RE.match(name):
+        raise NameRuleError(
+            f"{what} {name!r} is not allowed: use 1-64 letters, digits and ._+- "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def replica_id(model: str, epoch: int) -> str:
+    """A replica's id: the model name made unit-safe, and the placement epoch that made it
+    (epochs only grow, so the id is unique for the life of the store)."""
+    slug = _UNSAFE_RE.sub("-", model).strip("-.").lower()[:48] or "model"
+    return f"{slug}-e{epoch}"
+
+
+def shard_unit(replica: str, rank: int) -> str:
+    return f"llmgw-shard-{replica}-{rank}"

@@ -1,0 +1,1 @@
+"""The control plane and gateway: OpenAI API, admin API, agent stream, controller."""

@@ -1,0 +1,53 @@
+"""``/api``: the admin API. For now, the cluster's state as the controller sees it."""
+
+from __future__ import annotations
+
+from litestar import Request, get
+
+from llmgw.server.auth import admin_token_ok, bearer
+from llmgw.server.errors import ApiError
+
+
+def _require_admin(request: Request) -> None:
+    token = bearer(request.headers.get("authorization"))
+    if not admin_token_ok(request.app.state.admin_token, token):
+        raise ApiError(401, "this needs the admin token: send `Authorization: Bearer <token>` "
+                       "from the state directory's secrets/admin-token", code="admin_required")
+
+
+@get("/api/status")
+async def status(request: Request) -> dict:
+    _require_admin(request)
+    controller = request.app.state.controller
+    nodes = []
+    for session in controller.sessions.all():
+        inv = session.register.inventory
+        nodes.append({
+            "id": session.node_id,
+            "address": session.register.address,
+            "state": session.state.value,
+            "gpus": len(inv.gpus),
+            "engines": [{"name": e.name, "version": e.version, "state": e.state,
+                         "detail": e.detail} for e in inv.engines],
+            "fabric": inv.fabric,
+        })
+    replicas = [
+        {
+            "id": r.id, "model": r.model, "profile": r.profile, "epoch": r.epoch,
+            "state": r.state.value, "reason": r.reason,
+            "shards": [{"rank": s.rank, "node": s.node_id, "port": s.port, "state": s.state,
+                        "detail": s.detail} for s in r.shards],
+        }
+        for r in sorted(controller.replicas.values(), key=lambda r: r.id)
+    ]
+    models = [
+        {"name": m.name, "replicas_wanted": m.replicas,
+         "replicas_ready": sum(1 for r in controller.replicas.values()
+                               if r.model == m.name and r.state.value == "ready"),
+         "unplaced": controller.unplaced.get(m.name)}
+        for m in controller.catalog.models
+    ]
+    return {"nodes": nodes, "replicas": replicas, "models": models}
+
+
+ROUTES = [status]

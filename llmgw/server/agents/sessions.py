@@ -1,0 +1,115 @@
+"""Node sessions: one per node that ever registered, connected or not.
+
+A session outlives its WebSocket: the node's state (ready, unreachable, lost) follows from
+when it was last heard from, so the session keeps that time after the stream closes.
+Only the session can deliver a command to a node, because it holds the open stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from llmgw import wire
+from llmgw.core.inventory import Node, NodeLiveness, NodeState, Timeouts, node_from_register
+from llmgw.core.inventory import node_state as compute_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NodeSession:
+    node_id: str
+    register: wire.Register
+    live: NodeLiveness
+    outbox: asyncio.Queue[wire.Down] | None = None
+    connection: int = 0
+    state: NodeState = NodeState.REGISTERING
+    last_heartbeat: wire.Heartbeat | None = field(default=None)
+
+
+class NodeSessions:
+    def __init__(self, timeouts: Timeouts):
+        self.timeouts = timeouts
+        self._sessions: dict[str, NodeSession] = {}
+        self._connections = 0
+
+    def attach(self, msg: wire.Register, now: float) -> tuple[NodeSession, int]:
+        """A node registered on a new stream. Returns its session and this connection's
+        number; a newer connection from the same node replaces the older one."""
+        self._connections += 1
+        session = self._sessions.get(msg.node_id)
+        outbox: asyncio.Queue[wire.Down] = asyncio.Queue()
+        if session is None:
+            session = NodeSession(msg.node_id, msg, NodeLiveness(last_seen=now), outbox)
+            self._sessions[msg.node_id] = session
+        else:
+            if session.outbox is not None:
+                log.warning("%s connected again; closing its older stream", msg.node_id)
+                session.outbox.put_nowait(_CLOSE)
+            session.register = msg
+            session.live = NodeLiveness(last_seen=now, draining=session.live.draining)
+            session.outbox = outbox
+        session.connection = self._connections
+        return session, self._connections
+
+    def detach(self, node_id: str, connection: int) -> None:
+        session = self._sessions.get(node_id)
+        if session is not None and session.connection == connection:
+            session.live.connected = False
+            session.outbox = None
+
+    def seen(self, node_id: str, now: float) -> None:
+        session = self._sessions.get(node_id)
+        if session is not None:
+            session.live.last_seen = now
+
+    def heartbeat(self, node_id: str, msg: wire.Heartbeat, now: float) -> None:
+        session = self._sessions.get(node_id)
+        if session is not None:
+            session.live.last_seen = now
+            session.last_heartbeat = msg
+
+    def send(self, node_id: str, message: wire.Down) -> bool:
+        session = self._sessions.get(node_id)
+        if session is None or session.outbox is None:
+            return False
+        session.outbox.put_nowait(message)
+        return True
+
+    def get(self, node_id: str) -> NodeSession | None:
+        return self._sessions.get(node_id)
+
+    def refresh(self, now: float) -> list[tuple[str, NodeState, NodeState]]:
+        """Recompute every node's state; returns the (node, old, new) that changed."""
+        changes = []
+        for session in self._sessions.values():
+            new = compute_state(session.live, now, self.timeouts)
+            if new is NodeState.LOST:
+                session.live.lost = True
+            if new is not session.state:
+                changes.append((session.node_id, session.state, new))
+                session.state = new
+        return changes
+
+    def nodes(self) -> list[Node]:
+        """Every known node as placement sees it (call ``refresh`` first)."""
+        return [
+            node_from_register(s.register, s.state, s.live.last_seen)
+            for s in sorted(self._sessions.values(), key=lambda s: s.node_id)
+        ]
+
+    def all(self) -> list[NodeSession]:
+        return sorted(self._sessions.values(), key=lambda s: s.node_id)
+
+
+class _Close:
+    """Put on an outbox to make its stream close (a newer connection replaced it)."""
+
+
+_CLOSE = _Close()
+
+
+def is_close(item: object) -> bool:
+    return item is _CLOSE

@@ -1,0 +1,112 @@
+"""Assembling the server: the Litestar app, its controller, and the listener.
+
+Configuration is passed in, never read at import time, so tests build as many servers as
+they like in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from litestar import Litestar, Request, Response, get
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+
+from llmgw.config import ServerConfig
+from llmgw.core import reconcile
+from llmgw.core.catalog import Catalog
+from llmgw.core.inventory import Timeouts
+from llmgw.server import admin
+from llmgw.server.agents.sessions import NodeSessions
+from llmgw.server.agents.stream import agent_stream
+from llmgw.server.controller import Controller
+from llmgw.server.errors import ApiError, error_response
+from llmgw.server.openai import routes as openai_routes
+from llmgw.server.openai.proxy import client_session
+from llmgw.server.openai.router import Router
+from llmgw.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Server:
+    app: Litestar
+    controller: Controller
+    router: Router
+
+
+@get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+def _api_error(_: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if status == 404:
+        message = f"there is no {request.method} {request.url.path} here"
+    elif status == 405:
+        message = f"{request.url.path} does not take {request.method}"
+    return error_response(status, message, headers=getattr(exc, "headers", None))
+
+
+def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return error_response(500, "internal error; the server's log has the details",
+                          code="internal_error")
+
+
+def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str) -> Server:
+    timeouts = Timeouts(config.nodes.unreachable_after_s, config.nodes.lost_after_s)
+    policy = reconcile.Policy(
+        restart_backoff_initial_s=config.controller.restart_backoff_initial_s,
+        restart_backoff_max_s=config.controller.restart_backoff_max_s,
+        restart_backoff_reset_s=config.controller.restart_backoff_reset_s,
+        adoption_grace_s=config.controller.adoption_grace_s,
+    )
+    controller = Controller(catalog, store, NodeSessions(timeouts), policy,
+                            interval_s=config.controller.interval_s,
+                            heartbeat_interval_s=config.nodes.heartbeat_interval_s)
+    router = Router()
+    controller.on_change(lambda c: router.update(c.ready_endpoints()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.http = client_session()
+        loop_task = asyncio.create_task(controller.run(), name="controller")
+        try:
+            yield
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+            await app.state.http.close()
+
+    app = Litestar(
+        route_handlers=[healthz, agent_stream, *openai_routes.ROUTES, *admin.ROUTES],
+        lifespan=[lifespan],
+        state=State({
+            "config": config, "store": store, "controller": controller, "router": router,
+            "admin_token": admin_token, "started_at": time.time(),
+        }),
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
+        # Bodies are forwarded to engines; prompts with images can be large, but bounded.
+        request_max_body_size=64 * 2**20,
+        openapi_config=None,
+        logging_config=None,
+    )
+    return Server(app, controller, router)

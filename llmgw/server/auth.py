@@ -1,0 +1,133 @@
+"""API keys and the admin token.
+
+An API key looks like ``llmgw_<12-char id><32-char secret><6-char checksum>``: the fixed
+prefix and the CRC let secret scanners recognise a leaked key and reject typos without a
+database round trip. Only the key's SHA-256 is stored (a 190-bit random secret needs no
+slow hash), and it is looked up by its id part, which is also how keys are listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import string
+import zlib
+from datetime import UTC, datetime
+from pathlib import Path
+
+from llmgw.store import ApiKeyRecord, Store
+
+KEY_PREFIX = "llmgw_"
+_ALPHABET = string.digits + string.ascii_letters
+_ID_LEN, _SECRET_LEN, _CRC_LEN = 12, 32, 6
+KEY_LEN = len(KEY_PREFIX) + _ID_LEN + _SECRET_LEN + _CRC_LEN
+
+
+def _base62(number: int, width: int) -> str:
+    out = []
+    for _ in range(width):
+        number, digit = divmod(number, 62)
+        out.append(_ALPHABET[digit])
+    return "".join(reversed(out))
+
+
+def _checksum(body: str) -> str:
+    return _base62(zlib.crc32(body.encode()), _CRC_LEN)
+
+
+def new_api_key() -> str:
+    body = "".join(secrets.choice(_ALPHABET) for _ in range(_ID_LEN + _SECRET_LEN))
+    return KEY_PREFIX + body + _checksum(KEY_PREFIX + body)
+
+
+def key_id(key: str) -> str | None:
+    """The listed, stored id of a well-formed key (``llmgw_`` plus 12 characters), or
+    ``None`` when the string cannot be one of our keys."""
+    if len(key) != KEY_LEN or not key.startswith(KEY_PREFIX):
+        return None
+    body, crc = key[:-_CRC_LEN], key[-_CRC_LEN:]
+    if not hmac.compare_digest(_checksum(body), crc):
+        return None
+    return key[: len(KEY_PREFIX) + _ID_LEN]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def create_api_key(store: Store, name: str, allowed_models: list[str] | None = None
+                         ) -> tuple[str, ApiKeyRecord]:
+    """Make and store a key; the plaintext is returned once and never kept."""
+    key = new_api_key()
+    record = await store.add_api_key(ApiKeyRecord(
+        prefix=key_id(key), secret_hash=hash_key(key), name=name,
+        allowed_models=allowed_models, created_at=datetime.now(UTC)))
+    return key, record
+
+
+async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord | str:
+    """The key's record, or why it was refused (in words for the client)."""
+    prefix = key_id(key)
+    if prefix is None:
+        return "the API key is malformed; it should start with llmgw_ and be copied whole"
+    record = await store.find_api_key(prefix)
+    if record is None or not hmac.compare_digest(record.secret_hash, hash_key(key)):
+        return "the API key is not valid"
+    if record.revoked_at is not None:
+        return "the API key has been revoked"
+    if record.expires_at is not None and record.expires_at <= now:
+        return "the API key has expired"
+    return record
+
+
+def bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+# --- the admin token -------------------------------------------------------------------------
+
+
+class SecretsFileError(Exception):
+    """A secrets file that is unsafe or unreadable; the message says how to fix it."""
+
+
+def load_or_create_admin_token(state_dir: str | Path) -> tuple[str, bool]:
+    """The admin token from ``<state_dir>/secrets/admin-token``, made at first start.
+
+    Returns ``(token, created)``. Refuses a file that others can read: the token is root
+    of the cluster's trust, so the server will not run with it exposed.
+    """
+    directory = Path(state_dir) / "secrets"
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / "admin-token"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        token = "llmgw_admin_" + secrets.token_urlsafe(32)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token, True
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretsFileError(
+            f"{path} is readable by other users (mode {stat.S_IMODE(mode):o}); "
+            f"run `chmod 600 {path}` and start again"
+        )
+    token = path.read_text().strip()
+    if not token:
+        raise SecretsFileError(f"{path} is empty; delete it to have a new token made")
+    return token, False
+
+
+def admin_token_ok(expected: str, presented: str | None) -> bool:
+    return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())

@@ -1,0 +1,243 @@
+"""The controller: runs the pure planner on a loop and carries out what it decides.
+
+It owns the replicas (in memory: the running shards are the truth, and agents report
+them again on every connection, so a restarted controller adopts rather than restarts),
+the crash-loop backoffs, and the routing table that the gateway reads. Events (a node
+registering, a shard changing state) only wake the loop early; every pass looks at the
+whole picture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import msgspec
+
+from llmgw import wire
+from llmgw.core import reconcile
+from llmgw.core.catalog import Catalog
+from llmgw.core.inventory import NodeState
+from llmgw.core.names import replica_id
+from llmgw.core.replicas import Replica, Shard, adopt, apply_status, fail, new_replica
+from llmgw.server.agents.sessions import NodeSession, NodeSessions
+from llmgw.store import NodeRecord, Store
+
+log = logging.getLogger(__name__)
+
+
+class Controller:
+    def __init__(self, catalog: Catalog, store: Store, sessions: NodeSessions,
+                 policy: reconcile.Policy, interval_s: float, heartbeat_interval_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.catalog = catalog
+        self.store = store
+        self.sessions = sessions
+        self.policy = policy
+        self.interval_s = interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self.backoffs: dict[str, reconcile.Backoff] = {}
+        self.unplaced: dict[str, str] = {}
+        self._wake = asyncio.Event()
+        self._listeners: list[Callable[[Controller], None]] = []
+        self._lock = asyncio.Lock()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def on_change(self, listener: Callable[[Controller], None]) -> None:
+        self._listeners.append(listener)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.pass_once()
+            except Exception:
+                log.exception("reconcile pass failed; the next pass will try again")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+
+    async def pass_once(self) -> reconcile.Plan:
+        async with self._lock:
+            now = self.clock()
+            for node_id, old, new in self.sessions.refresh(now):
+                log.info("node %s: %s -> %s", node_id, old.value, new.value)
+                await self.store.set_node_state(node_id, new.value, _utc(now))
+            self.backoffs = reconcile.settle_backoffs(
+                self.backoffs, self.replicas.values(), now, self.policy)
+            plan = reconcile.plan(self.catalog, self.sessions.nodes(), self.replicas.values(),
+                                  self.backoffs, now, self.policy)
+            for action in plan.actions:
+                await self._apply(action, now)
+            self.unplaced = dict(plan.unplaced)
+            self._changed()
+            return plan
+
+    async def _apply(self, action: reconcile.Action, now: float) -> None:
+        if isinstance(action, reconcile.Place):
+            await self._place(action, now)
+        elif isinstance(action, reconcile.Reap):
+            replica = self.replicas.pop(action.replica)
+            log.warning("replica %s of %s failed: %s", replica.id, replica.model, action.reason)
+            self.backoffs[replica.model] = reconcile.after_failure(
+                self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
+            self._stop_shards(replica, action.reason)
+        elif isinstance(action, reconcile.Stop):
+            replica = self.replicas.pop(action.replica)
+            log.info("stopping replica %s of %s: %s", replica.id, replica.model, action.reason)
+            self._stop_shards(replica, action.reason)
+
+    async def _place(self, action: reconcile.Place, now: float) -> None:
+        placement = action.placement
+        model = self.catalog.get(placement.model)
+        profile = model.profile(placement.profile)
+        epoch = await self.store.next_epoch()
+        replica = new_replica(replica_id(model.name, epoch), placement, epoch, now)
+        self.replicas[replica.id] = replica
+        log.info("replica %s of %s: %s", replica.id, model.name, placement.describe())
+        leader = placement.shards[0]
+        for shard in placement.shards:
+            message = wire.StartShard(
+                replica=replica.id, rank=shard.rank, world_size=replica.world_size,
+                epoch=epoch, model=model.name,
+                profile=wire.ShardProfile(
+                    name=profile.name, engine=profile.engine, args=list(profile.args),
+                    env=dict(profile.env), weights=profile.weights,
+                    startup_timeout_s=profile.startup_timeout_s),
+                port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
+                rendezvous_port=placement.rendezvous_port,
+            )
+            if not self.sessions.send(shard.node_id, message):
+                self.replicas[replica.id] = fail(
+                    self.replicas[replica.id], f"node {shard.node_id} disconnected before start")
+                self.wake()
+
+    def _stop_shards(self, replica: Replica, reason: str) -> None:
+        for shard in replica.shards:
+            if shard.state in ("failed", "stopped"):
+                continue
+            self.sessions.send(shard.node_id, wire.StopShard(
+                replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason))
+
+    # --- events from the stream ------------------------------------------------------------
+
+    async def node_registered(self, msg: wire.Register, now: float
+                              ) -> tuple[NodeSession, int]:
+        async with self._lock:
+            session, connection = self.sessions.attach(msg, now)
+            log.info("node %s registered from %s with %d running shard(s)", msg.node_id,
+                     msg.address, len(msg.running))
+            self._adopt(msg, now)
+            self.sessions.refresh(now)
+        await self.store.put_node(NodeRecord(
+            id=msg.node_id, address=msg.address, state=session.state.value,
+            inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
+            last_seen_at=_utc(now)))
+        self._changed()
+        self.wake()
+        return session, connection
+
+    def _adopt(self, msg: wire.Register, now: float) -> None:
+        reported = {(s.replica, s.rank) for s in msg.running}
+        # Shards this node should have but no longer reports are gone.
+        for rid, replica in list(self.replicas.items()):
+            for shard in replica.shards:
+                if shard.node_id == msg.node_id and (rid, shard.rank) not in reported:
+                    self.replicas[rid] = apply_status(
+                        self.replicas[rid], rank=shard.rank, epoch=replica.epoch,
+                        state="failed", now=now,
+                        detail=f"{msg.node_id} came back without it")
+        for running in msg.running:
+            model = self.catalog.get(running.model)
+            if model is None or model.profile(running.profile) is None:
+                log.info("stopping %s on %s: model %s is not declared", running.replica,
+                         msg.node_id, running.model)
+                self.sessions.send(msg.node_id, wire.StopShard(
+                    replica=running.replica, rank=running.rank, epoch=running.epoch,
+                    reason=f"model {running.model} is not declared"))
+                continue
+            existing = self.replicas.get(running.replica)
+            shard = Shard(running.rank, msg.node_id, msg.address, running.port,
+                          state=running.state)
+            if existing is not None and existing.shard(running.rank) is not None:
+                old = existing.shard(running.rank)
+                shard = replace(shard, gpus=old.gpus)
+            self.replicas[running.replica] = adopt(
+                existing, replica_id=running.replica, model=running.model,
+                profile=running.profile, epoch=running.epoch, world_size=running.world_size,
+                shard=shard, now=now)
+
+    def shard_status(self, node_id: str, msg: wire.ShardStatus, now: float) -> None:
+        replica = self.replicas.get(msg.replica)
+        if replica is None:
+            return
+        shard = replica.shard(msg.rank)
+        if shard is None or shard.node_id != node_id:
+            log.warning("%s reported rank %d of %s, which is not placed there; ignored",
+                        node_id, msg.rank, msg.replica)
+            return
+        updated = apply_status(replica, rank=msg.rank, epoch=msg.epoch, state=msg.state,
+                               now=now, port=msg.port, detail=msg.detail,
+                               output_tail=tuple(msg.output_tail))
+        self.replicas[msg.replica] = updated
+        if updated.state != replica.state:
+            log.info("replica %s of %s: %s -> %s%s", replica.id, replica.model,
+                     replica.state.value, updated.state.value,
+                     f" ({updated.reason})" if updated.state == "failed" else "")
+            if msg.output_tail and msg.state == "failed":
+                log.warning("last output of %s rank %d:\n%s", replica.id, msg.rank,
+                            "\n".join(msg.output_tail[-10:]))
+            self._changed()
+            self.wake()
+
+    def node_disconnected(self, node_id: str, connection: int) -> None:
+        self.sessions.detach(node_id, connection)
+        log.info("node %s disconnected", node_id)
+        self.wake()
+
+    # --- what the gateway and the admin API read -------------------------------------------
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener(self)
+
+    def ready_endpoints(self) -> dict[str, list[tuple[str, str, int]]]:
+        """Per model, the (replica, address, port) of every replica ready to serve."""
+        routes: dict[str, list[tuple[str, str, int]]] = {}
+        for replica in self.replicas.values():
+            endpoint = replica.endpoint()
+            if endpoint is not None:
+                routes.setdefault(replica.model, []).append((replica.id, *endpoint))
+        return routes
+
+    def why_not_ready(self, model: str) -> str:
+        """In words an operator can act on: why ``model`` has no ready replica right now."""
+        if model in self.unplaced:
+            return self.unplaced[model]
+        mine = [r for r in self.replicas.values() if r.model == model]
+        if not mine:
+            return "no replica is placed yet"
+        return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
+                         for r in mine)
+
+    def node_state(self, node_id: str) -> NodeState | None:
+        session = self.sessions.get(node_id)
+        return session.state if session else None
+
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _inventory_dict(inventory: wire.Inventory) -> dict:
+    return msgspec.to_builtins(inventory)

@@ -1,0 +1,1 @@
+"""``/v1``: the OpenAI-compatible gateway."""

@@ -1,0 +1,307 @@
+"""The store: desired state (models, settings), registered nodes and API keys.
+
+Rule of the house: never make a network call inside a transaction. Each Store method is
+one short transaction that opens, does its statements and commits; callers talk to agents,
+engines or clients before or after, never while a method of this class is running.
+
+Writes that may race (two servers, 50 controller tasks) are single atomic statements:
+upserts are INSERT ... ON CONFLICT, the epoch is an upsert with RETURNING.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import delete, event, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, StatementError
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+from llmgw.store import migrate
+from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel
+from llmgw.store.tables import ApiKeyRow, CounterRow, ModelRow, NodeRow, SettingRow
+
+SUPPORTED_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
+EPOCH_COUNTER = "placement_epoch"
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+PG_CONNECT_TIMEOUT_S = 10
+
+
+class StoreError(Exception):
+    """The store refused or failed; the message says what was wrong and what to do."""
+
+
+def sqlite_url(path: str | Path) -> str:
+    """The store URL for a SQLite file at `path` (made absolute)."""
+    return f"sqlite+aiosqlite:///{Path(path).expanduser().resolve()}"
+
+
+async def open_store(url: str) -> Store:
+    """Connect to the store at `url`, migrate it to head, and return it."""
+    parsed = _parse(url)
+    engine = _create_engine(parsed)
+    masked = parsed.render_as_string(hide_password=True)
+    try:
+        await migrate.upgrade(engine)
+    except (DBAPIError, OSError) as exc:
+        await engine.dispose()
+        raise StoreError(f"cannot open the store at {masked}: {_words(exc)}") from exc
+    except BaseException:
+        await engine.dispose()
+        raise
+    return Store(engine, url=url)
+
+
+def _parse(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise StoreError(
+            f"the store URL could not be parsed ({exc}); use {_schemes_hint()}"
+        ) from exc
+    if parsed.drivername not in SUPPORTED_SCHEMES:
+        raise StoreError(
+            f"store URL scheme {parsed.drivername!r} is not supported; use {_schemes_hint()}"
+        )
+    return parsed
+
+
+def _schemes_hint() -> str:
+    return "sqlite+aiosqlite:///<absolute path> or postgresql+asyncpg://<user>@<host>/<database>"
+
+
+def _create_engine(url: URL) -> AsyncEngine:
+    if url.get_backend_name() == "sqlite":
+        _prepare_sqlite_file(url)
+        engine = create_async_engine(url)
+        event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+        event.listen(engine.sync_engine, "begin", _sqlite_on_begin)
+        return engine
+    connect_args = {} if "timeout" in url.query else {"timeout": PG_CONNECT_TIMEOUT_S}
+    return create_async_engine(url, connect_args=connect_args, pool_pre_ping=True)
+
+
+def _prepare_sqlite_file(url: URL) -> None:
+    """Create the file's directory, and the file itself as 0600: it holds key hashes."""
+    database = url.database or ""
+    if database in ("", ":memory:") or database.startswith("file:"):
+        return
+    path = Path(database)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    except OSError as exc:
+        raise StoreError(f"cannot create the SQLite store at {path}: {exc}") from exc
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Leave transactions to SQLAlchemy ("begin" below), not to the sqlite3 module, which
+    # would otherwise run SELECTs outside any transaction.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+def _sqlite_on_begin(conn: Any) -> None:
+    conn.exec_driver_sql("BEGIN")
+
+
+def _words(exc: BaseException) -> str:
+    """The driver's own message, without SQLAlchemy's wrapping and links."""
+    inner = getattr(exc, "orig", None) or exc
+    return str(inner).strip() or type(inner).__name__
+
+
+class Store:
+    """Async access to the store; one instance per process, shared by all tasks."""
+
+    def __init__(self, engine: AsyncEngine, *, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self.backend: str = engine.dialect.name
+        self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+        self._insert = postgresql.insert if self.backend == "postgresql" else sqlite.insert
+        self._masked = engine.url.render_as_string(hide_password=True)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[AsyncSession]:
+        """One short transaction; driver failures come out as StoreError."""
+        try:
+            async with self._sessions() as session, session.begin():
+                yield session
+        except StatementError as exc:
+            if not isinstance(exc, DBAPIError) and isinstance(exc.orig, ValueError):
+                raise StoreError(str(exc.orig)) from exc  # a value we refused to bind
+            raise StoreError(f"store at {self._masked} failed: {_words(exc)}") from exc
+        except OSError as exc:
+            raise StoreError(f"store at {self._masked} failed: {_words(exc)}") from exc
+
+    # models ------------------------------------------------------------------------
+
+    async def put_model(self, name: str, spec: dict) -> None:
+        """Insert or replace the model `name`; created_at is kept on replace."""
+        _check_json(spec, f"spec of model {name!r}")
+        now = _now()
+        stmt = self._insert(ModelRow).values(name=name, spec=spec, created_at=now, updated_at=now)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[ModelRow.name], set_={"spec": spec, "updated_at": now}
+        )
+        async with self._tx() as s:
+            await s.execute(stmt)
+
+    async def get_model(self, name: str) -> StoredModel | None:
+        async with self._tx() as s:
+            row = await s.get(ModelRow, name)
+            return None if row is None else row.to_record()
+
+    async def list_models(self) -> list[StoredModel]:
+        async with self._tx() as s:
+            rows = await s.scalars(select(ModelRow).order_by(ModelRow.name))
+            return [row.to_record() for row in rows]
+
+    async def delete_model(self, name: str) -> bool:
+        """Delete the model; False if there was none."""
+        async with self._tx() as s:
+            result = await s.execute(delete(ModelRow).where(ModelRow.name == name))
+            return result.rowcount > 0
+
+    # nodes -------------------------------------------------------------------------
+
+    async def put_node(self, node: NodeRecord) -> None:
+        """Insert or replace the node with `node.id`, as the agent registered it."""
+        _check_json(node.inventory, f"inventory of node {node.id!r}")
+        values = {
+            "address": node.address,
+            "state": node.state,
+            "inventory": node.inventory,
+            "registered_at": node.registered_at,
+            "last_seen_at": node.last_seen_at,
+            "state_changed_at": node.state_changed_at,
+        }
+        stmt = self._insert(NodeRow).values(id=node.id, **values)
+        stmt = stmt.on_conflict_do_update(index_elements=[NodeRow.id], set_=values)
+        async with self._tx() as s:
+            await s.execute(stmt)
+
+    async def get_node(self, node_id: str) -> NodeRecord | None:
+        async with self._tx() as s:
+            row = await s.get(NodeRow, node_id)
+            return None if row is None else row.to_record()
+
+    async def list_nodes(self) -> list[NodeRecord]:
+        async with self._tx() as s:
+            rows = await s.scalars(select(NodeRow).order_by(NodeRow.id))
+            return [row.to_record() for row in rows]
+
+    async def set_node_state(self, node_id: str, state: str, at: datetime) -> None:
+        """Record that the node entered `state` at `at`; last_seen_at is left alone."""
+        stmt = update(NodeRow).where(NodeRow.id == node_id).values(state=state, state_changed_at=at)
+        async with self._tx() as s:
+            result = await s.execute(stmt)
+        if result.rowcount == 0:
+            raise StoreError(f"no node {node_id!r} in the store; it must register first")
+
+    # settings ----------------------------------------------------------------------
+
+    async def get_setting(self, key: str, default: Any = None) -> Any:
+        async with self._tx() as s:
+            row = await s.get(SettingRow, key)
+            return default if row is None else row.value
+
+    async def put_setting(self, key: str, value: Any) -> None:
+        _check_json(value, f"setting {key!r}")
+        stmt = self._insert(SettingRow).values(key=key, value=value)
+        stmt = stmt.on_conflict_do_update(index_elements=[SettingRow.key], set_={"value": value})
+        async with self._tx() as s:
+            await s.execute(stmt)
+
+    async def next_epoch(self) -> int:
+        """The next placement epoch: 1, 2, 3, ... never the same number twice.
+
+        One INSERT ... ON CONFLICT DO UPDATE ... RETURNING: PostgreSQL locks the row for
+        the update, SQLite has one writer at a time, so concurrent callers serialise.
+        """
+        stmt = self._insert(CounterRow).values(name=EPOCH_COUNTER, value=1)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[CounterRow.name], set_={"value": CounterRow.value + 1}
+        ).returning(CounterRow.value)
+        async with self._tx() as s:
+            return (await s.execute(stmt)).scalar_one()
+
+    # API keys ----------------------------------------------------------------------
+
+    async def add_api_key(self, key: ApiKeyRecord) -> ApiKeyRecord:
+        """Store a new key (its hash only) and return it with its id set."""
+        row = ApiKeyRow(
+            prefix=key.prefix,
+            secret_hash=key.secret_hash,
+            name=key.name,
+            allowed_models=key.allowed_models,
+            created_at=key.created_at,
+            expires_at=key.expires_at,
+            revoked_at=key.revoked_at,
+        )
+        async with self._tx() as s:
+            s.add(row)
+            try:
+                await s.flush()
+            except IntegrityError as exc:
+                raise StoreError(
+                    f"an API key with prefix {key.prefix!r} already exists; "
+                    "generate a new key (prefixes must be unique)"
+                ) from exc
+            return row.to_record()
+
+    async def find_api_key(self, prefix: str) -> ApiKeyRecord | None:
+        """The key with this prefix, revoked or expired ones included: the caller decides."""
+        async with self._tx() as s:
+            row = await s.scalar(select(ApiKeyRow).where(ApiKeyRow.prefix == prefix))
+            return None if row is None else row.to_record()
+
+    async def list_api_keys(self) -> list[ApiKeyRecord]:
+        async with self._tx() as s:
+            rows = await s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.id))
+            return [row.to_record() for row in rows]
+
+    async def revoke_api_key(self, prefix: str, at: datetime) -> bool:
+        """Revoke the key; False if no key has this prefix. A second revoke keeps the first time."""
+        async with self._tx() as s:
+            found = await s.scalar(select(ApiKeyRow.id).where(ApiKeyRow.prefix == prefix))
+            if found is None:
+                return False
+            await s.execute(
+                update(ApiKeyRow)
+                .where(ApiKeyRow.id == found, ApiKeyRow.revoked_at.is_(None))
+                .values(revoked_at=at)
+            )
+            return True
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"{what} is not JSON: {exc}") from exc

@@ -1,0 +1,142 @@
+"""Table definitions (SQLAlchemy 2 declarative), private to the store.
+
+Rows never leave the store: `to_record()` turns each into its plain frozen record.
+
+One schema for SQLite and PostgreSQL: constraint names come from a naming convention so
+that the migration chain in `migrations/` names them the same way on both backends.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Integer, MetaData, String
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in and out on both backends.
+
+    SQLite keeps no offset and hands back naive values; PostgreSQL hands back the session's
+    zone. Naive input is refused: its meaning depends on the caller's machine.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value.isoformat()}: pass an aware UTC datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def json_type(*, nullable: bool = False) -> JSON:
+    """JSON, as JSONB on PostgreSQL; a nullable column keeps Python None as SQL NULL."""
+    return JSON(none_as_null=nullable).with_variant(JSONB(none_as_null=nullable), "postgresql")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(json_type())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    def to_record(self) -> StoredModel:
+        return StoredModel(
+            name=self.name, spec=self.spec, created_at=self.created_at, updated_at=self.updated_at
+        )
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    address: Mapped[str] = mapped_column(String(1024))
+    state: Mapped[str] = mapped_column(String(32))
+    inventory: Mapped[dict[str, Any]] = mapped_column(json_type())
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    state_changed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    def to_record(self) -> NodeRecord:
+        return NodeRecord(
+            id=self.id,
+            address=self.address,
+            state=self.state,
+            inventory=self.inventory,
+            registered_at=self.registered_at,
+            last_seen_at=self.last_seen_at,
+            state_changed_at=self.state_changed_at,
+        )
+
+
+class SettingRow(Base):
+    __tablename__ = "settings"
+
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[Any] = mapped_column(json_type())
+
+
+class CounterRow(Base):
+    """Monotonic counters (the placement epoch), bumped by one atomic upsert."""
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    prefix: Mapped[str] = mapped_column(String(64), unique=True)
+    secret_hash: Mapped[str] = mapped_column(String(255))
+    name: Mapped[str] = mapped_column(String(255))
+    allowed_models: Mapped[list[str] | None] = mapped_column(
+        json_type(nullable=True), nullable=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    def to_record(self) -> ApiKeyRecord:
+        return ApiKeyRecord(
+            id=self.id,
+            prefix=self.prefix,
+            secret_hash=self.secret_hash,
+            name=self.name,
+            allowed_models=self.allowed_models,
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            revoked_at=self.revoked_at,
+        )

@@ -1,0 +1,199 @@
+"""The agent stream protocol: the one contract between the control plane and its agents.
+
+One WebSocket per node carries msgpack frames, each a tagged msgspec Struct (the tag is
+the ``type`` field). ``Up`` messages go from agent to server, ``Down`` from server to
+agent.
+
+Compatibility rules, so that a half-upgraded cluster keeps working:
+- fields a newer peer added are ignored (msgspec's default for Structs);
+- a new field here always has a default, so an older peer may omit it;
+- a message type this side does not know is skipped with a log line, not a disconnect;
+- ``PROTOCOL_VERSION`` goes up only for a change an older peer cannot ignore, and the
+  server accepts every version from ``MIN_PROTOCOL_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+
+ShardState = Literal["starting", "ready", "failed", "stopped"]
+
+
+class WireError(Exception):
+    """A frame that is not a message of this protocol (garbage, or a malformed message)."""
+
+
+class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+# --- inventory: what a node says about itself ---------------------------------------------
+
+
+class Gpu(_Struct):
+    index: int
+    name: str
+    memory_total_mib: int
+    memory_free_mib: int
+    uuid: str = ""
+    pci_bus_id: str = ""
+
+
+class Engine(_Struct):
+    """An engine the node can run. ``state`` is ``installed`` (seen to run), ``configured``
+    (named on purpose in agent.yaml), ``installing`` or ``failed``; ``detail`` is the node's
+    own words about it."""
+
+    name: str
+    version: str = ""
+    state: str = "installed"
+    detail: str = ""
+
+
+class Inventory(_Struct):
+    hostname: str
+    os: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_count: int = 0
+    cpu_flags: list[str] = []
+    ram_total_mib: int = 0
+    ram_available_mib: int = 0
+    gpus: list[Gpu] = []
+    engines: list[Engine] = []
+    engines_probed: bool = False
+    fabric: str | None = None
+    labels: dict[str, str] = {}
+
+
+class RunningShard(_Struct):
+    """A shard the node is running, reported at registration so the control plane can adopt
+    it instead of restarting it."""
+
+    replica: str
+    rank: int
+    world_size: int
+    epoch: int
+    model: str
+    profile: str
+    engine: str
+    port: int | None = None
+    state: ShardState = "starting"
+
+
+# --- up: agent -> server ------------------------------------------------------------------
+
+
+class Register(_Struct, tag="register", tag_field="type"):
+    node_id: str
+    address: str
+    inventory: Inventory
+    running: list[RunningShard] = []
+    port_range: tuple[int, int] = (20000, 20999)
+    protocol: int = PROTOCOL_VERSION
+    agent_version: str = ""
+
+
+class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
+    ram_available_mib: int = 0
+    gpu_memory_free_mib: list[int] = []
+    sent_at: float = 0.0
+
+
+class ShardStatus(_Struct, tag="shard_status", tag_field="type"):
+    """A shard's transition. On failure ``output_tail`` holds the engine's last lines."""
+
+    replica: str
+    rank: int
+    epoch: int
+    state: ShardState
+    port: int | None = None
+    detail: str = ""
+    exit_code: int | None = None
+    output_tail: list[str] = []
+
+
+# --- down: server -> agent ----------------------------------------------------------------
+
+
+class Welcome(_Struct, tag="welcome", tag_field="type"):
+    node_id: str
+    heartbeat_interval_s: float = 3.0
+    protocol: int = PROTOCOL_VERSION
+
+
+class ShardProfile(_Struct):
+    """What an engine needs to know of the model's profile to launch one shard."""
+
+    name: str
+    engine: str
+    args: list[str] = []
+    env: dict[str, str] = {}
+    weights: str | None = None
+    startup_timeout_s: float = 600.0
+
+
+class StartShard(_Struct, tag="start_shard", tag_field="type"):
+    replica: str
+    rank: int
+    world_size: int
+    epoch: int
+    model: str
+    profile: ShardProfile
+    port: int | None = None
+    gpus: list[int] = []
+    leader_address: str = ""
+    rendezvous_port: int | None = None
+
+
+class StopShard(_Struct, tag="stop_shard", tag_field="type"):
+    replica: str
+    rank: int
+    epoch: int
+    reason: str = ""
+
+
+Up = Register | Heartbeat | ShardStatus
+Down = Welcome | StartShard | StopShard
+
+_UP_TAGS = frozenset({"register", "heartbeat", "shard_status"})
+_DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard"})
+
+_encoder = msgspec.msgpack.Encoder()
+_up_decoder = msgspec.msgpack.Decoder(Up)
+_down_decoder = msgspec.msgpack.Decoder(Down)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(message: Up | Down) -> bytes:
+    return _encoder.encode(message)
+
+
+def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str]):
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        # A message type from a newer peer is skipped; anything else is a broken peer.
+        try:
+            raw = _any_decoder.decode(frame)
+        except msgspec.DecodeError:
+            raise WireError(f"not a msgpack frame: {exc}") from None
+        tag = raw.get("type") if isinstance(raw, dict) else None
+        if isinstance(tag, str) and tag not in known:
+            return None
+        raise WireError(f"malformed message: {exc}") from None
+
+
+def decode_up(frame: bytes) -> Up | None:
+    """Decode an agent's frame; ``None`` for a message type this version does not know."""
+    return _decode(frame, _up_decoder, _UP_TAGS)
+
+
+def decode_down(frame: bytes) -> Down | None:
+    """Decode a server's frame; ``None`` for a message type this version does not know."""
+    return _decode(frame, _down_decoder, _DOWN_TAGS)

@@ -1,0 +1,232 @@
+"""Real llmgw processes on loopback, for integration tests.
+
+A `Cluster` writes a server.yaml and agent.yaml into a temporary directory, starts
+`python -m llmgw server` and `python -m llmgw agent` exactly as an operator would, and
+stops everything it started by PID: the server and agents by process group, and the
+engine shards an agent left behind by the PIDs in the agent's own shard records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx  # test-side only: a plain blocking client for polling; never on llmgw's path
+import psutil
+import yaml
+
+from llmgw.server.auth import create_api_key
+from llmgw.store import open_store, sqlite_url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(size: int = 20) -> tuple[int, int]:
+    """A block of ports below the kernel's ephemeral range, all free right now."""
+    rng = random.Random()
+    for _ in range(200):
+        low = rng.randrange(21000, 32000 - size)
+        try:
+            for port in range(low, low + size):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return low, low + size - 1
+    raise RuntimeError("no block of free ports found")
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as err:  # the thing polled may not be up yet
+            last_error = err
+            value = None
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}"
+                         + (f" (last error: {last_error!r})" if last_error else ""))
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw", *args], stdout=out, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        proc.wait(5)
+
+
+@dataclass
+class AgentProc:
+    node_id: str
+    config_path: Path
+    state_dir: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = _start(["agent", "--config", str(self.config_path)], self.log)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: the agent gets no chance to clean up."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(5)
+
+    def shard_records(self) -> list[dict]:
+        records = []
+        for path in sorted((self.state_dir / "shards").glob("*.json")):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return records
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_group(self.proc)
+        # Shards run in their own sessions so that they outlive a crashed agent; stop the
+        # ones this agent's records name, checking each PID is still the same process.
+        for record in self.shard_records():
+            try:
+                proc = psutil.Process(record["pid"])
+                if abs(proc.create_time() - record["started_at"]) < 0.5:
+                    os.killpg(record["pid"], signal.SIGKILL)
+            except (psutil.Error, ProcessLookupError, KeyError):
+                continue
+
+
+@dataclass
+class Cluster:
+    root: Path
+    models: list[dict]
+    server_overrides: dict = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    server: subprocess.Popen | None = None
+    agents: dict[str, AgentProc] = field(default_factory=dict)
+    api_key: str = ""
+    admin_token: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def server_state(self) -> Path:
+        return self.root / "server"
+
+    def write_server_config(self) -> Path:
+        config = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "state_dir": str(self.server_state),
+            "nodes": {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3,
+                      "lost_after_s": 8},
+            "controller": {"interval_s": 0.5, "restart_backoff_initial_s": 0.5,
+                           "restart_backoff_max_s": 2, "adoption_grace_s": 5},
+            "models": self.models,
+            "log_level": "debug",
+            **self.server_overrides,
+        }
+        path = self.root / "server.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start_server(self) -> None:
+        path = self.write_server_config()
+        if not self.api_key:
+            self.server_state.mkdir(parents=True, exist_ok=True)
+            self.api_key = asyncio.run(self._make_key())
+        self.server = _start(["server", "--config", str(path)], self.root / "server.log")
+        wait_for(lambda: httpx.get(f"{self.base_url}/healthz").status_code == 200, 30,
+                 "the server to answer /healthz")
+        self.admin_token = (self.server_state / "secrets" / "admin-token").read_text().strip()
+
+    async def _make_key(self) -> str:
+        store = await open_store(sqlite_url(self.server_state / "llmgw.db"))
+        try:
+            key, _ = await create_api_key(store, "tests")
+        finally:
+            await store.close()
+        return key
+
+    def add_agent(self, node_id: str, **overrides) -> AgentProc:
+        state = self.root / f"agent-{node_id}"
+        config = {
+            "servers": [self.base_url],
+            "node_id": node_id,
+            "address": "127.0.0.1",
+            "state_dir": str(state),
+            "port_range": list(free_port_block()),
+            "reconnect": {"initial_s": 0.2, "max_s": 1.0},
+            "log_level": "debug",
+            **overrides,
+        }
+        path = self.root / f"agent-{node_id}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        agent = AgentProc(node_id, path, state, self.root / f"agent-{node_id}.log")
+        agent.start()
+        self.agents[node_id] = agent
+        return agent
+
+    def status(self) -> dict:
+        resp = httpx.get(f"{self.base_url}/api/status",
+                         headers={"authorization": f"Bearer {self.admin_token}"}, timeout=5)
+        resp.raise_for_status()
+        return resp.json()
+
+    def node_state(self, node_id: str) -> str | None:
+        return next((n["state"] for n in self.status()["nodes"] if n["id"] == node_id), None)
+
+    def ready_replicas(self, model: str) -> list[dict]:
+        return [r for r in self.status()["replicas"]
+                if r["model"] == model and r["state"] == "ready"]
+
+    def wait_ready(self, model: str, count: int = 1, timeout_s: float = 30) -> list[dict]:
+        return wait_for(lambda: len(self.ready_replicas(model)) >= count
+                        and self.ready_replicas(model), timeout_s,
+                        f"{count} ready replica(s) of {model}")
+
+    def logs(self) -> str:
+        parts = []
+        for path in sorted(self.root.glob("*.log")):
+            parts.append(f"===== {path.name}\n{path.read_text(errors='replace')[-6000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+        if self.server is not None:
+            _stop_group(self.server)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.cluster import Cluster
+
+SIM_SMALL = {"name": "sim-small", "profiles": [{"engine": "sim"}], "replicas": 1}
+
+
+@pytest.fixture
+def make_cluster(tmp_path, request):
+    """Build clusters of real processes; everything started is stopped afterwards, and the
+    processes' logs are printed when the test failed."""
+    made: list[Cluster] = []
+
+    def make(models=None, **overrides) -> Cluster:
+        cluster = Cluster(tmp_path / f"c{len(made)}", models or [SIM_SMALL], overrides)
+        cluster.root.mkdir(parents=True)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    failed = getattr(request.node, "rep_call", None)
+    for cluster in made:
+        if failed is not None and failed.failed:
+            print(cluster.logs())
+        cluster.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
