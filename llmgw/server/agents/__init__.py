@@ -1,0 +1,1 @@
+"""The agent stream: one session per node, and the WebSocket endpoint."""
