@@ -1,0 +1,61 @@
+"""`llmgw up` as a newcomer runs it: it serves, it says how to call it, Ctrl-C stops it all."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import openai
+import psutil
+
+from tests.integration.cluster import free_port, wait_for
+
+
+def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path):
+    port = free_port()
+    state = tmp_path / "state"
+    out_path = tmp_path / "up.out"
+    with open(out_path, "wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    watched: list[psutil.Process] = []
+    try:
+        wait_for(lambda: "llmgw is up" in out_path.read_text(), 60, "`llmgw up` to say it is up")
+        printed = out_path.read_text()
+        key = (state / "server" / "secrets" / "up-api-key").read_text().strip()
+        assert key in printed and f"http://127.0.0.1:{port}/v1" in printed
+        assert oct((state / "server" / "secrets" / "up-api-key").stat().st_mode & 0o777) == "0o600"
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                               max_retries=0)
+        reply = client.chat.completions.create(
+            model="sim-small", messages=[{"role": "user", "content": "Hello"}])
+        assert reply.choices[0].message.content
+
+        records = [json.loads(p.read_text())
+                   for p in (state / "agent" / "shards").glob("*.json")]
+        assert len(records) == 1
+        children = psutil.Process(up.pid).children()
+        watched = [*children, psutil.Process(records[0]["pid"])]
+        assert len(children) == 2, "up runs a server and an agent"
+
+        up.send_signal(signal.SIGINT)  # what Ctrl-C delivers
+        assert up.wait(30) == 0
+        _, alive = psutil.wait_procs(watched, timeout=10)
+        assert not alive, f"still running after Ctrl-C: {alive}"
+    finally:
+        # On failure, stop what this test started, by PID: up, its server and agent (each
+        # in its own session) and the engine.
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait(5)
+        for proc in watched:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
