@@ -41,7 +41,7 @@ class StoreSettings(_Config):
 
 
 class Auth(_Config):
-    # Off only makes sense for a single-user `llmgw up` on loopback.
+    # Every /v1 request needs an API key. Turn off only on a trusted loopback listener.
     require_api_key: bool = True
 
 
@@ -125,7 +125,23 @@ class AgentConfig(_Config):
 
 C = TypeVar("C", ServerConfig, AgentConfig)
 
-_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_PATH_RE = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping, which plain YAML
+    loading resolves silently by keeping the last."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"the key {key!r} is written twice", key_node.start_mark)
+            seen[key] = True
+        return super().construct_mapping(node, deep=deep)
 
 
 def _readable(err: msgspec.ValidationError) -> str:
@@ -139,6 +155,8 @@ def _readable(err: msgspec.ValidationError) -> str:
     if not match:
         return message
     path = match.group("path").lstrip(".")
+    if match.group("key"):
+        message = f"a key here is not text: {message}"
     return f"{path}: {message}" if path else message
 
 
@@ -162,11 +180,13 @@ def load(path: str | Path, kind: type[C]) -> C:
     """Read a YAML file into ``kind``; every problem is a ConfigError naming file and key."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (not UTF-8); is it the right file?") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     return parse(data, kind, str(path))

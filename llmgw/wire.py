@@ -14,14 +14,14 @@ Compatibility rules, so that a half-upgraded cluster keeps working:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
 
-ShardState = Literal["starting", "ready", "failed", "stopped"]
+# starting | ready | failed | stopped. Plain text, not a closed set, so that a newer
+# agent's new state is read as "not ready" here rather than as a broken peer.
+ShardState = str
 
 
 class WireError(Exception):

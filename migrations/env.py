@@ -17,7 +17,7 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from llmgw.store.tables import Base
+from llmgw.store.tables import Base, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata
@@ -36,12 +36,21 @@ def _url() -> str:
     return url
 
 
+def _render_item(type_: str, obj, autogen_context):
+    """Write our UTC wrapper as the column type it stores, so a generated revision needs
+    no import from llmgw."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
+
+
 def _configure(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        render_item=_render_item,
     )
 
 

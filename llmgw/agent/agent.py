@@ -21,6 +21,7 @@ from llmgw.agent.discovery import host
 from llmgw.agent.runtime import ProcessRuntime
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.config import AgentConfig
+from llmgw.engines import ADAPTERS
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def stream_url(server: str) -> str:
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
     """Full jitter: anywhere between zero and the exponential ceiling."""
-    return rng.uniform(0, min(max_s, initial_s * 2**attempt))
+    return rng.uniform(0, min(max_s, initial_s * 2 ** min(attempt, 32)))
 
 
 class Agent:
@@ -53,8 +54,9 @@ class Agent:
         self.node_id = config.node_id or host.hostname()
         self.address = config.address or host.route_source_address(config.servers[0])
         self.runtime = ProcessRuntime(config.state_dir)
-        log.info("runtime: plain processes (no systemd runtime in this build); shards and "
-                 "their logs are under %s", self.runtime._dir)
+        why = "no systemd runtime in this build" if config.runtime == "auto" else "configured"
+        log.info("runtime: plain processes (%s); shard records and logs are under %s", why,
+                 self.runtime.directory)
         self._outbox: asyncio.Queue[wire.Up] = asyncio.Queue()
         self._connected = False
         self._rng = random.Random()
@@ -73,11 +75,13 @@ class Agent:
     def inventory(self) -> wire.Inventory:
         facts = host.describe()
         engines = [wire.Engine(name="sim", version=__version__, state="installed")]
-        engines += [
-            wire.Engine(name=name, version=e.version, state="configured",
-                        detail=f"named in agent.yaml: {e.binary}")
-            for name, e in sorted(self.config.engines.items())
-        ]
+        for name, e in sorted(self.config.engines.items()):
+            if name in ADAPTERS:
+                engines.append(wire.Engine(name=name, version=e.version, state="configured",
+                                           detail=f"named in agent.yaml: {e.binary}"))
+            else:
+                engines.append(wire.Engine(name=name, version=e.version, state="failed",
+                                           detail=f"this agent cannot launch {name}"))
         return wire.Inventory(
             **facts, engines=engines, engines_probed=True, fabric=self.config.fabric,
             labels=dict(self.config.labels),
@@ -132,14 +136,16 @@ class Agent:
     async def _session(self, http: aiohttp.ClientSession, server: str) -> None:
         url = stream_url(server)
         async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20) as ws:
+            # Queue reports from before the Register snapshot is taken, so that a shard
+            # turning ready in between is reported after it, not lost.
+            while not self._outbox.empty():
+                self._outbox.get_nowait()
+            self._connected = True
             await ws.send_bytes(wire.encode(self.register()))
             welcome = wire.decode_down(await self._receive(ws))
             if not isinstance(welcome, wire.Welcome):
                 raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
             log.info("registered with %s as %s (%s)", server, self.node_id, self.address)
-            while not self._outbox.empty():
-                self._outbox.get_nowait()
-            self._connected = True
             sender = asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s))
             try:
                 while True:

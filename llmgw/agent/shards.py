@@ -127,6 +127,7 @@ class ShardSupervisor:
         record = ShardRecord(
             unit=unit, replica=msg.replica, rank=msg.rank, world_size=msg.world_size,
             epoch=msg.epoch, model=msg.model, profile=profile.name, engine=profile.engine,
+            startup_timeout_s=profile.startup_timeout_s,
         )
         try:
             launch = engines.render(profile.engine, request, self._facts)
@@ -140,10 +141,10 @@ class ShardSupervisor:
         log.info("started %s (pid %d): %s", unit, record.pid, " ".join(launch.argv))
         self._records[unit] = record
         self._set(record, "starting")
-        await self._watch(record, adopted=False, startup_timeout_s=profile.startup_timeout_s)
+        await self._watch(record, adopted=False)
 
-    async def _watch(self, record: ShardRecord, adopted: bool,
-                     startup_timeout_s: float = 600.0) -> None:
+    async def _watch(self, record: ShardRecord, adopted: bool) -> None:
+        startup_timeout_s = record.startup_timeout_s
         exit_task = asyncio.create_task(self._runtime.wait_exit(record.unit))
         try:
             ready = await self._until_ready(record, exit_task, startup_timeout_s)

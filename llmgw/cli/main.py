@@ -18,6 +18,9 @@ def _logging(level: str) -> None:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Their debug output is every SQL statement and every frame: too much even for debug.
+    for noisy in ("aiosqlite", "asyncio", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -29,7 +32,10 @@ def _server(args: argparse.Namespace) -> int:
     _logging(config.log_level)
     try:
         asyncio.run(serve(config))
-    except (CatalogError, SecretsFileError, StoreError) as err:
+    except CatalogError as err:
+        print(f"llmgw server: {args.config}: {err}", file=sys.stderr)
+        return 2
+    except (SecretsFileError, StoreError) as err:
         print(f"llmgw server: {err}", file=sys.stderr)
         return 2
     return 0

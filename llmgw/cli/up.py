@@ -87,6 +87,10 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                         raise RuntimeError(f"{proc.args[3]} exited with code {proc.returncode}")
                 try:
                     async with http.get(f"{base}/api/status", headers=headers) as resp:
+                        if resp.status == 401:
+                            raise RuntimeError(
+                                f"the server at {base} does not take this state directory's "
+                                "admin token; is another llmgw already on that port?")
                         body = await resp.json()
                 except (aiohttp.ClientError, TimeoutError):
                     status.update("waiting for the server to listen…")
@@ -158,14 +162,14 @@ def up(args: argparse.Namespace) -> int:
         asyncio.run(wait_ready(base, admin_token, [server, agent], args.timeout))
         console.print(f"[bold green]llmgw is up[/]: {DEMO_MODEL} is ready\n")
         console.print(f"  OpenAI base URL  {base}/v1")
-        console.print(f"  API key          {key}")
-        console.print(f"  admin token      {admin_token}")
+        console.print(f"  API key          {key}", soft_wrap=True)
+        console.print(f"  admin token      {admin_token}", soft_wrap=True)
         console.print(f"  logs             {logs}/\n")
         console.print(
             f"  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' \\\n"
             f"    -H 'content-type: application/json' \\\n"
             f"    -d '{{\"model\":\"{DEMO_MODEL}\",\"messages\":[{{\"role\":\"user\","
-            f"\"content\":\"Hello\"}}]}}'\n")
+            f"\"content\":\"Hello\"}}]}}'\n", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         while server.poll() is None and agent.poll() is None:
             time.sleep(0.5)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from llmgw import config
 from llmgw.core.names import NameRuleError, check_element, check_model_name
 
-# Engines that need no GPU and no installed binary: they run anywhere.
-CPU_ENGINES = frozenset({"sim", "llama.cpp"})
+# Engines that ship inside llmgw: every node can run them, nothing to install.
+BUILTIN_ENGINES = frozenset({"sim"})
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang", "comfyui"})
 
 

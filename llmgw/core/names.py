@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 # Model names are what clients send as `model`: allow the usual "org/name:tag" shapes.
-_MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")
+_MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}")
 # Profile names and anything that ends up in a unit name or a path: one safe element.
-_ELEMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
+_ELEMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -16,7 +16,7 @@ class NameRuleError(ValueError):
 
 
 def check_model_name(name: str) -> str:
-    if not _MODEL_RE.match(name) or ".." in name:
+    if not _MODEL_RE.fullmatch(name) or ".." in name:
         raise NameRuleError(
             f"model name {name!r} is not allowed: use 1-128 letters, digits and ._:/+- "
             "starting with a letter or digit, without '..'"
@@ -26,7 +26,7 @@ def check_model_name(name: str) -> str:
 
 def check_element(name: str, what: str) -> str:
     """A name that becomes one path element or part of a unit name."""
-    if not _ELEMENT_RE.match(name):
+    if not _ELEMENT_RE.fullmatch(name):
         raise NameRuleError(
             f"{what} {name!r} is not allowed: use 1-64 letters, digits and ._+- "
             "starting with a letter or digit"

@@ -11,13 +11,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmgw.core.catalog import Model, Profile
+from llmgw.core.catalog import BUILTIN_ENGINES, Model, Profile
 from llmgw.core.inventory import Node, NodeState
 
 Strategy = Literal["binpack", "spread"]
-
-# The sim engine ships inside llmgw: every node can run it.
-BUILTIN_ENGINES = frozenset({"sim"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +92,9 @@ def _free_ports(node: Node, used: frozenset[int], count: int) -> tuple[int, ...]
     return tuple(found)
 
 
-def _fit(node: Node, profile: Profile, usage: NodeUsage, ports_needed: int) -> _Fit | str:
-    """The GPUs and ports this node would give one shard, or why it cannot."""
+def _fit(node: Node, profile: Profile, usage: NodeUsage, ports_wanted: int) -> _Fit | str:
+    """The GPUs and up to ``ports_wanted`` ports (at least one) this node would give one
+    shard, or why it cannot."""
     if node.state is not NodeState.READY:
         return f"not ready ({node.state.value})"
     if profile.engine not in BUILTIN_ENGINES:
@@ -118,8 +116,8 @@ def _fit(node: Node, profile: Profile, usage: NodeUsage, ports_needed: int) -> _
             need += f" with {gib:g} GiB free"
         have = len(free)
         return f"needs {need}, has {have}" if node.gpus else f"needs {need}, has no GPUs"
-    ports = _free_ports(node, usage.ports, ports_needed)
-    if len(ports) < ports_needed:
+    ports = _free_ports(node, usage.ports, ports_wanted)
+    if not ports:
         low, high = node.port_range
         return f"no free port left in {low}-{high}"
     chosen = tuple(sorted(g.index for g in free)[: profile.gpus])
@@ -150,7 +148,8 @@ def place(
         if multi and not node.fabric:
             refusals.append(Refusal(node.id, "has no fabric set, needed for a multi-node replica"))
             continue
-        # The leader of a multi-node replica also binds its group's rendezvous port.
+        # A multi-node leader also binds its group's rendezvous port: ask for two ports, and
+        # let a node with only one be a worker.
         result = _fit(node, profile, usage.get(node.id, NodeUsage()), 2 if multi else 1)
         if isinstance(result, str):
             refusals.append(Refusal(node.id, result))
@@ -174,7 +173,13 @@ def place(
                 Refusal(f"fabric {fabric}", f"has {len(members)} of {profile.nodes} nodes that fit")
             )
             continue
-        chosen = sorted(members, key=lambda f: _rank_key(f, strategy))[: profile.nodes]
+        ranked = sorted(members, key=lambda f: _rank_key(f, strategy))
+        leader = next((f for f in ranked if len(f.ports) >= 2), None)
+        if leader is None:
+            refusals.append(Refusal(f"fabric {fabric}",
+                                    "no node has two free ports for the group's leader"))
+            continue
+        chosen = [leader, *[f for f in ranked if f is not leader][: profile.nodes - 1]]
         score = tuple(sorted(_rank_key(f, strategy) for f in chosen))
         groups.append((score, fabric, chosen))
     if not groups:

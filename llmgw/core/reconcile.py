@@ -96,7 +96,8 @@ def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: P
             f"rank {missing} of {replica.world_size} never reported; "
             "a replica short of a shard cannot serve"
         )
-    starting = replica.state is ReplicaState.STARTING and not replica.adopted
+    # Adopted replicas too: created_at is when they were adopted.
+    starting = replica.state is ReplicaState.STARTING
     if starting and now - replica.created_at >= startup_timeout_s:
         return f"not ready after {startup_timeout_s:g} s"
     return None
@@ -120,6 +121,9 @@ def plan(
     actions: list[Action] = []
     unplaced: dict[str, str] = {}
     gone: set[str] = set()
+    # A model whose replica failed this pass waits for the next one, which sees the backoff
+    # the controller records for the failure (and the stopped shard's GPUs and ports free).
+    failed_now: set[str] = set()
 
     for replica in replicas:
         model = catalog.get(replica.model)
@@ -132,6 +136,7 @@ def plan(
         if reason is not None:
             actions.append(Reap(replica.id, reason))
             gone.add(replica.id)
+            failed_now.add(replica.model)
 
     alive = [r for r in replicas if r.id not in gone and r.live]
     usage = usage_of(alive)
@@ -144,6 +149,9 @@ def plan(
             continue
         wanted = -surplus
         if wanted == 0:
+            continue
+        if model.name in failed_now:
+            unplaced[model.name] = "a replica just failed; restarting after the backoff"
             continue
         backoff = backoffs.get(model.name, Backoff())
         if now < backoff.not_before:
@@ -172,9 +180,9 @@ def plan(
 def after_failure(backoff: Backoff, now: float, policy: Policy) -> Backoff:
     """One more failure in a row: wait 10 s, doubling up to 5 min (by default)."""
     failures = backoff.failures + 1
-    delay = min(
-        policy.restart_backoff_initial_s * 2 ** (failures - 1), policy.restart_backoff_max_s
-    )
+    # Cap the exponent first: a model failing for days must not overflow the float.
+    doublings = min(failures - 1, 32)
+    delay = min(policy.restart_backoff_initial_s * 2**doublings, policy.restart_backoff_max_s)
     return Backoff(failures, now + delay)
 
 

@@ -6,9 +6,15 @@ import pytest
 
 from llmgw.core.catalog import Model, Profile
 from llmgw.core.inventory import EngineStatus, Gpu, Node, NodeState
-from llmgw.core.placement import NodeUsage, Placement, PlacementResult, Refusal, ShardPlacement
+from llmgw.core.placement import (
+    NodeUsage,
+    Placement,
+    PlacementResult,
+    Refusal,
+    ShardPlacement,
+    place_model,
+)
 from llmgw.core.placement import place as _place
-from llmgw.core.placement import place_model
 from tests.unit.shapes import (
     LLAMA_DOWNLOADING,
     cpu_avx2,
@@ -307,6 +313,21 @@ def test_leader_gets_a_rendezvous_port_distinct_from_its_http_port() -> None:
     assert placement.rendezvous_port not in usage["node01"].ports
 
 
+def test_a_follower_needs_only_one_port() -> None:
+    nodes = [
+        h100_8x80g("node01", "ib-a"),
+        h100_8x80g("node02", "ib-a", port_range=(30000, 30000)),
+    ]
+
+    result = place(profile("sim", nodes=2), nodes)
+
+    assert result.placement is not None, result.describe()
+    assert [(s.node_id, s.port) for s in result.placement.shards] == [
+        ("node01", 20000),
+        ("node02", 30000),
+    ]
+
+
 def test_single_node_replica_has_no_rendezvous_port() -> None:
     result = place(profile("sim"), [cpu_avx2("cpu1")])
 
@@ -332,10 +353,8 @@ def test_ports_come_from_the_nodes_range_and_skip_used_ones() -> None:
     [
         (profile(gpus=1), (30000, 30001), {30000, 30001}),
         (profile(gpus=1), (30000, 30000), {30000}),
-        # A leader needs two ports: its HTTP port and the group's rendezvous.
-        (profile("sim", nodes=2), (30000, 30001), {30001}),
     ],
-    ids=["two-used", "one-used", "leader-needs-two"],
+    ids=["two-used", "one-used"],
 )
 def test_no_free_port(prof: Profile, port_range: tuple[int, int], used: set[int]) -> None:
     node = h100_8x80g("node01", "ib-a", port_range=port_range)
@@ -344,6 +363,17 @@ def test_no_free_port(prof: Profile, port_range: tuple[int, int], used: set[int]
 
     low, high = port_range
     assert refusal_for(result, "node01") == f"no free port left in {low}-{high}"
+
+
+def test_a_group_needs_a_leader_with_two_free_ports() -> None:
+    # The leader binds its HTTP port and the group's rendezvous port; workers need one.
+    nodes = [h100_8x80g(n, "ib-a", port_range=(30000, 30001)) for n in ("node01", "node02")]
+    usage = {n.id: NodeUsage(ports=frozenset({30001})) for n in nodes}
+
+    result = place(profile("sim", nodes=2), nodes, usage)
+
+    assert result.placement is None
+    assert refusal_for(result, "fabric ib-a") == "no node has two free ports for the group's leader"
 
 
 # --- profiles in order -----------------------------------------------------------------------

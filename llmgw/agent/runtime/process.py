@@ -34,6 +34,10 @@ class ProcessRuntime:
         self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._children: dict[str, asyncio.subprocess.Process] = {}
 
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
     def _record_path(self, unit: str) -> Path:
         return self._dir / f"{unit}.json"
 

@@ -86,8 +86,8 @@ def _model_or_404(request: Request, name: str, allowed: list[str] | None) -> Non
 
 
 async def _proxy(request: Request, path: str, required: str) -> Response:
-    body = await request.body()
     allowed = await _authorize(request)
+    body = await request.body()
     head = _parse(body, required)
     _model_or_404(request, head.model, allowed)
     state = request.app.state

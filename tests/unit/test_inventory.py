@@ -1,0 +1,88 @@
+"""Nodes: their state follows from when they were last heard from."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw import wire
+from llmgw.core.inventory import (
+    EngineStatus,
+    Gpu,
+    NodeLiveness,
+    NodeState,
+    Timeouts,
+    node_from_register,
+    node_state,
+)
+from tests.unit.shapes import LLAMA_DOWNLOADING, h100_8x80g
+
+TIMEOUTS = Timeouts(unreachable_after_s=15.0, lost_after_s=60.0)
+
+
+@pytest.mark.parametrize(
+    ("silent", "live", "state"),
+    [
+        (0.0, {}, NodeState.READY),
+        (14.9, {}, NodeState.READY),
+        (15.0, {}, NodeState.UNREACHABLE),
+        (59.9, {}, NodeState.UNREACHABLE),
+        (60.0, {}, NodeState.LOST),
+        (0.0, {"connected": False}, NodeState.UNREACHABLE),
+        (0.0, {"draining": True}, NodeState.DRAINING),
+        (20.0, {"draining": True}, NodeState.UNREACHABLE),
+        (0.0, {"lost": True}, NodeState.LOST),
+        (0.0, {"lost": True, "connected": False}, NodeState.LOST),
+    ],
+)
+def test_node_state_follows_from_silence(silent: float, live: dict, state: NodeState) -> None:
+    liveness = NodeLiveness(last_seen=1000.0, **live)
+
+    assert node_state(liveness, 1000.0 + silent, TIMEOUTS) is state
+
+
+@pytest.mark.parametrize(
+    ("state", "usable"),
+    [("installed", True), ("configured", True), ("installing", False), ("failed", False)],
+)
+def test_engine_usable(state: str, usable: bool) -> None:
+    assert EngineStatus("vllm", state=state).usable is usable
+
+
+def test_node_engine_lookup() -> None:
+    node = h100_8x80g("node01")
+
+    assert node.engine("llama.cpp").detail == LLAMA_DOWNLOADING
+    assert node.engine("sglang") is None
+
+
+def test_node_from_register() -> None:
+    msg = wire.Register(
+        node_id="node05",
+        address="10.0.0.6",
+        inventory=wire.Inventory(
+            hostname="node05",
+            cpu_flags=["avx2", "fma"],
+            ram_total_mib=2_063_731,
+            gpus=[wire.Gpu(index=1, name="NVIDIA H100 80GB HBM3", memory_total_mib=81559,
+                           memory_free_mib=80000, uuid="GPU-1")],
+            engines=[wire.Engine(name="llama.cpp", version="b10991", state="installing",
+                                 detail=LLAMA_DOWNLOADING)],
+            fabric="ib-b",
+            labels={"zone": "b", "rack": "r12"},
+        ),
+        port_range=(21000, 21099),
+    )
+
+    node = node_from_register(msg, NodeState.READY, last_seen=42.0)
+
+    assert node.id == "node05"
+    assert node.address == "10.0.0.6"
+    assert node.state is NodeState.READY
+    assert node.gpus == (Gpu(1, "NVIDIA H100 80GB HBM3", 81559, 80000),)
+    assert node.engines == (EngineStatus("llama.cpp", "b10991", "installing", LLAMA_DOWNLOADING),)
+    assert node.cpu_flags == frozenset({"avx2", "fma"})
+    assert node.ram_total_mib == 2_063_731
+    assert node.fabric == "ib-b"
+    assert node.labels == (("rack", "r12"), ("zone", "b"))
+    assert node.port_range == (21000, 21099)
+    assert node.last_seen == 42.0
