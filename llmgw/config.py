@@ -70,6 +70,11 @@ class Profile(_Config):
     env: dict[str, str] = {}
     weights: str | None = None
     startup_timeout_s: PositiveSeconds = 600.0
+    # Serve /v1/embeddings (llama.cpp --embeddings, vLLM --runner pooling, SGLang
+    # --is-embedding): an embedding model, not a chat one.
+    embeddings: bool = False
+    # vLLM across nodes: its own multi-process launch, or Ray on request.
+    launch_mode: Literal["mp", "ray"] = "mp"
 
 
 class Model(_Config):

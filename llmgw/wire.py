@@ -136,6 +136,8 @@ class ShardProfile(_Struct):
     env: dict[str, str] = {}
     weights: str | None = None
     startup_timeout_s: float = 600.0
+    embeddings: bool = False
+    launch_mode: str = "mp"
 
 
 class StartShard(_Struct, tag="start_shard", tag_field="type"):
@@ -149,6 +151,8 @@ class StartShard(_Struct, tag="start_shard", tag_field="type"):
     gpus: list[int] = []
     leader_address: str = ""
     rendezvous_port: int | None = None
+    # "address:port" of every rank, by rank.
+    peers: list[str] = []
 
 
 class StopShard(_Struct, tag="stop_shard", tag_field="type"):

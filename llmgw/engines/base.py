@@ -29,6 +29,19 @@ class ShardRequest:
     weights: str | None = None
     leader_address: str = ""
     rendezvous_port: int | None = None
+    # "address:port" of every rank, indexed by rank (llama.cpp's leader dials its workers).
+    peers: tuple[str, ...] = ()
+    embeddings: bool = False
+    launch_mode: str = "mp"  # vLLM only: "mp" (its own multi-process launch) or "ray"
+
+    @property
+    def serves(self) -> bool:
+        """Rank 0 serves HTTP; the other ranks of a multi-node replica serve nothing."""
+        return self.rank == 0
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +55,46 @@ class NodeFacts:
 
 @dataclass(frozen=True, slots=True)
 class Launch:
+    """How to run one shard and how to tell it is ready.
+
+    Readiness is ``health_path`` answering 200 on ``port`` when there is one; else, with
+    ``tcp_ready``, ``port`` accepting connections (a worker that speaks no HTTP); else
+    simply running. ``wait_for`` are ``host:port`` addresses that must accept connections
+    before the engine is started (a leader that dials its workers at start).
+    """
+
     argv: tuple[str, ...]
     env: dict[str, str]
-    port: int | None  # None: this rank serves no HTTP (a multi-node worker)
+    port: int | None
     health_path: str | None = "/health"
+    tcp_ready: bool = False
+    wait_for: tuple[str, ...] = ()
     description: str = ""
+
+
+def binary(node: NodeFacts, engine: str) -> str:
+    path = node.binaries.get(engine)
+    if not path:
+        raise EngineError(
+            f"no {engine} binary on this node: name one in agent.yaml under "
+            f"engines.{engine}.binary, or let the agent install it"
+        )
+    return path
+
+
+def need_port(req: ShardRequest) -> int:
+    if req.port is None:
+        raise EngineError(f"rank {req.rank} of {req.replica} needs a port and was given none")
+    return req.port
+
+
+def leader_rendezvous(req: ShardRequest) -> tuple[str, int]:
+    if not req.leader_address or req.rendezvous_port is None:
+        raise EngineError(
+            f"{req.replica} spans {req.world_size} nodes but has no leader address and "
+            "rendezvous port"
+        )
+    return req.leader_address, req.rendezvous_port
 
 
 def gpu_env(gpus: tuple[int, ...]) -> dict[str, str]:

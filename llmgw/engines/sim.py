@@ -6,36 +6,44 @@ every worker has joined; workers serve no HTTP at all.
 
 from __future__ import annotations
 
-from llmgw.engines.base import EngineError, Launch, NodeFacts, ShardRequest, gpu_env
+from llmgw.engines.base import (
+    Launch,
+    NodeFacts,
+    ShardRequest,
+    gpu_env,
+    leader_rendezvous,
+    need_port,
+)
 
 NAME = "sim"
-# Flags this adapter relies on (checked against `python -m llmgw.sim --help`).
-FLAGS = ("--host", "--port", "--model", "--rank", "--world-size", "--rendezvous")
+HELP_MIN_LINES = 10
+MODULE = "llmgw.sim"
 
 
 def render(req: ShardRequest, node: NodeFacts) -> Launch:
-    argv = [node.python, "-m", "llmgw.sim", "--model", req.model]
+    argv = [node.python, "-m", MODULE, "--model", req.model]
     if req.world_size > 1:
-        if req.rendezvous_port is None or not req.leader_address:
-            raise EngineError(
-                "a multi-node sim shard needs the leader's address and rendezvous port"
-            )
+        address, rendezvous = leader_rendezvous(req)
         argv += [
             "--rank", str(req.rank),
             "--world-size", str(req.world_size),
-            "--rendezvous", f"{req.leader_address}:{req.rendezvous_port}",
+            "--rendezvous", f"{address}:{rendezvous}",
         ]
-    serves = req.rank == 0
-    if serves:
-        if req.port is None:
-            raise EngineError("the serving rank needs a port")
-        argv += ["--host", node.bind_address, "--port", str(req.port)]
-    argv += list(req.args)
-    env = {**dict(req.env), **gpu_env(req.gpus)}
-    return Launch(
-        argv=tuple(argv),
-        env=env,
-        port=req.port if serves else None,
-        health_path="/health" if serves else None,
-        description=f"sim {req.model} rank {req.rank}/{req.world_size}",
-    )
+    port = None
+    if req.serves:
+        port = need_port(req)
+        argv += ["--host", node.bind_address, "--port", str(port)]
+    argv += req.args
+    return Launch(tuple(argv), {**dict(req.env), **gpu_env(req.gpus)}, port,
+                  health_path="/health" if req.serves else None,
+                  description=f"sim {req.model} rank {req.rank}/{req.world_size}")
+
+
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    return (argv[0], "-m", MODULE, "--help"), 3
+
+
+def widest() -> list[ShardRequest]:
+    common = dict(replica="r-e1", world_size=2, model="m", port=20001,
+                  leader_address="10.0.0.1", rendezvous_port=20002)
+    return [ShardRequest(rank=0, **common), ShardRequest(rank=1, **common)]

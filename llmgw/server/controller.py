@@ -106,6 +106,7 @@ class Controller:
         self.replicas[replica.id] = replica
         log.info("replica %s of %s: %s", replica.id, model.name, placement.describe())
         leader = placement.shards[0]
+        peers = [f"{_hostport(s.address, s.port)}" for s in placement.shards]
         for shard in placement.shards:
             message = wire.StartShard(
                 replica=replica.id, rank=shard.rank, world_size=replica.world_size,
@@ -113,9 +114,10 @@ class Controller:
                 profile=wire.ShardProfile(
                     name=profile.name, engine=profile.engine, args=list(profile.args),
                     env=dict(profile.env), weights=profile.weights,
-                    startup_timeout_s=profile.startup_timeout_s),
+                    startup_timeout_s=profile.startup_timeout_s,
+                    embeddings=profile.embeddings, launch_mode=profile.launch_mode),
                 port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
-                rendezvous_port=placement.rendezvous_port,
+                rendezvous_port=placement.rendezvous_port, peers=peers,
             )
             if not self.sessions.send(shard.node_id, message):
                 self.replicas[replica.id] = fail(
@@ -233,6 +235,10 @@ class Controller:
     def node_state(self, node_id: str) -> NodeState | None:
         session = self.sessions.get(node_id)
         return session.state if session else None
+
+
+def _hostport(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def _utc(ts: float) -> datetime:

@@ -24,6 +24,7 @@ class ShardRecord(msgspec.Struct, kw_only=True, frozen=True):
     engine: str
     port: int | None = None
     health_path: str | None = None
+    tcp_ready: bool = False
     startup_timeout_s: float = 600.0
     pid: int = 0
     # The process's start time, so a recycled PID is never mistaken for our shard.

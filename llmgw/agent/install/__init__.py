@@ -1,0 +1,1 @@
+"""Getting engines and models onto a node."""

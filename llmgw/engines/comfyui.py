@@ -1,0 +1,50 @@
+"""ComfyUI: one process on one GPU; its API is its own, not OpenAI's.
+
+The engine's binary is ComfyUI's ``main.py``; it runs on the Python of the environment
+beside it (``<dir>/venv/bin/python``), which is how the agent installs it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from llmgw.engines.base import (
+    EngineError,
+    Launch,
+    NodeFacts,
+    ShardRequest,
+    binary,
+    gpu_env,
+    need_port,
+)
+
+NAME = "comfyui"
+HELP_MIN_LINES = 60
+
+
+def python_for(main: str, node: NodeFacts) -> str:
+    return node.binaries.get("comfyui-python") or posixpath.join(
+        posixpath.dirname(main), "venv", "bin", "python")
+
+
+def render(req: ShardRequest, node: NodeFacts) -> Launch:
+    if req.world_size > 1 or req.gpu_count > 1:
+        raise EngineError(f"{req.model}: ComfyUI runs on one GPU of one node; "
+                          "set the profile to nodes: 1 and gpus: 1")
+    main = binary(node, NAME)
+    port = need_port(req)
+    argv = [python_for(main, node), main, "--listen", node.bind_address, "--port", str(port)]
+    if req.gpus:
+        # CUDA_VISIBLE_DEVICES leaves it exactly one device to see: number 0.
+        argv += ["--cuda-device", "0"]
+    argv += req.args
+    return Launch(tuple(argv), gpu_env(req.gpus), port, health_path="/system_stats",
+                  description=f"comfyui {req.model}")
+
+
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    return (argv[0], argv[1], "--help"), 2
+
+
+def widest() -> list[ShardRequest]:
+    return [ShardRequest("r-e1", 0, 1, "flux", port=20001, gpus=(3,))]

@@ -1,0 +1,62 @@
+"""SGLang: ``python -m sglang.launch_server``, multi-node with its own flags.
+
+Every node runs the launcher with the node count, its rank and the leader's
+``dist-init-addr``; tensor parallelism spans all GPUs of all nodes. Only rank 0 serves
+HTTP.
+"""
+
+from __future__ import annotations
+
+from llmgw.engines.base import (
+    Launch,
+    NodeFacts,
+    ShardRequest,
+    binary,
+    gpu_env,
+    leader_rendezvous,
+    need_port,
+)
+
+NAME = "sglang"
+HELP_MIN_LINES = 1500
+# The engine's "binary" is the Python of the environment SGLang is installed in.
+MODULE = "sglang.launch_server"
+
+
+def render(req: ShardRequest, node: NodeFacts) -> Launch:
+    argv = [
+        binary(node, NAME), "-m", MODULE,
+        "--model-path", req.weights or req.model,
+        "--served-model-name", req.model,
+        "--tp-size", str(max(1, req.gpu_count) * req.world_size),
+    ]
+    if req.world_size > 1:
+        address, rendezvous = leader_rendezvous(req)
+        argv += [
+            "--nnodes", str(req.world_size),
+            "--node-rank", str(req.rank),
+            "--dist-init-addr", f"{address}:{rendezvous}",
+        ]
+    if req.embeddings:
+        argv.append("--is-embedding")
+    port = None
+    if req.serves:
+        port = need_port(req)
+        argv += ["--host", node.bind_address, "--port", str(port)]
+    argv += req.args
+    return Launch(tuple(argv), gpu_env(req.gpus), port,
+                  health_path="/health" if req.serves else None,
+                  description=f"sglang {req.model} rank {req.rank}/{req.world_size}")
+
+
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    return (argv[0], "-m", MODULE, "--help"), 3
+
+
+def widest() -> list[ShardRequest]:
+    common = dict(replica="r-e1", world_size=2, model="org/m", weights="/w/org-m",
+                  port=20001, leader_address="10.0.0.1", rendezvous_port=20002)
+    return [
+        ShardRequest(rank=0, gpus=tuple(range(8)), embeddings=True, **common),
+        ShardRequest(rank=1, gpus=tuple(range(8)), **common),
+    ]
