@@ -8,6 +8,7 @@ import logging
 import sys
 
 from llmgw import __version__
+from llmgw.cli import engine_check
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
 from llmgw.core.catalog import CatalogError
 
@@ -93,6 +94,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds to wait for the model to be ready (default 900)")
     p.set_defaults(func=_up)
+
+    p = sub.add_parser("ctl", help="operate a cluster",
+                       description="Operate a cluster and check its engines.")
+    ctl = p.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
+    engine_check.add_parser(ctl)
     return top
 
 

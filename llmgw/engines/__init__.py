@@ -2,8 +2,9 @@
 
 Every adapter module has the same shape: ``NAME``; ``render(request, node) -> Launch``,
 pure; ``help_argv(argv)``, the command that prints the help of the program a rendered
-argv runs; ``widest()``, every shape of request llmgw can make of it (engine-check renders
-these and checks each flag); and ``HELP_MIN_LINES``, below which a help text looks cut off.
+argv runs (with how many tokens name the program, and how long a full help text is);
+``widest()``, every shape of request llmgw can make of it (engine-check renders these and
+checks each flag).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ class HelpCheck:
 
     help_argv: tuple[str, ...]
     flags: tuple[str, ...]
+    min_lines: int = 0  # a full help text is at least this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,27 +46,29 @@ def flags_of(argv: tuple[str, ...], skip: int) -> tuple[str, ...]:
 def plan(adapter: ModuleType, node: NodeFacts) -> list[HelpCheck]:
     """Render every widest shape and group the flags by the program that takes them."""
     groups: dict[tuple[str, ...], dict[str, None]] = {}
+    min_lines: dict[tuple[str, ...], int] = {}
     for request in adapter.widest():
         launch = adapter.render(request, node)
-        help_argv, skip = adapter.help_argv(launch.argv)
+        help_argv, skip, min_lines[help_argv] = adapter.help_argv(launch.argv)
         flags = groups.setdefault(help_argv, {})
         for flag in flags_of(launch.argv, skip):
             flags.setdefault(flag, None)
-    return [HelpCheck(argv, tuple(flags)) for argv, flags in groups.items()]
+    return [HelpCheck(argv, tuple(flags), min_lines[argv]) for argv, flags in groups.items()]
 
 
 def has_flag(flag: str, help_text: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
 
-def judge(check: HelpCheck, help_text: str, min_lines: int) -> Verdict:
+def judge(check: HelpCheck, help_text: str) -> Verdict:
     present = tuple(f for f in check.flags if has_flag(f, help_text))
     missing = tuple(f for f in check.flags if f not in present)
     warnings = []
     lines = help_text.count("\n")
-    if lines < min_lines:
+    if lines < check.min_lines:
         warnings.append(
-            f"the help text has {lines} lines where a full one has at least {min_lines}: it "
+            f"the help text has {lines} lines where a full one has at least "
+            f"{check.min_lines}: it "
             "looks cut off, so flags reported missing may only be missing from the text"
         )
     elif help_text and not help_text.endswith("\n"):

@@ -19,7 +19,6 @@ from llmgw.engines.base import (
 )
 
 NAME = "comfyui"
-HELP_MIN_LINES = 60
 
 
 def python_for(main: str, node: NodeFacts) -> str:
@@ -42,8 +41,8 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
                   description=f"comfyui {req.model}")
 
 
-def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-    return (argv[0], argv[1], "--help"), 2
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
+    return (argv[0], argv[1], "--help"), 2, 60
 
 
 def widest() -> list[ShardRequest]:

@@ -21,8 +21,6 @@ from llmgw.engines.base import (
 )
 
 NAME = "llama.cpp"
-# Its full help is about 730 lines; far fewer means the text was cut off.
-HELP_MIN_LINES = 500
 # The RPC worker ships beside llama-server; its name changed between releases.
 RPC_BINARY = "ggml-rpc-server"
 # Offload every layer: to the GPUs, or to the RPC workers, which count as devices.
@@ -65,10 +63,12 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
                   description=f"llama-server {req.model}")
 
 
-def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-    """The command that prints the help of the program ``argv`` runs, and how many leading
-    tokens of ``argv`` name the program rather than pass flags to it."""
-    return (argv[0], "--help"), 1
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
+    """The command that prints the help of the program ``argv`` runs; how many leading
+    tokens of ``argv`` name the program rather than pass flags to it; and how many lines a
+    full help text has at least (llama-server's is about 730, ggml-rpc-server's 10)."""
+    server = "--model" in argv
+    return (argv[0], "--help"), 1, 500 if server else 8
 
 
 def widest() -> list[ShardRequest]:

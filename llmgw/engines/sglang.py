@@ -18,7 +18,6 @@ from llmgw.engines.base import (
 )
 
 NAME = "sglang"
-HELP_MIN_LINES = 1500
 # The engine's "binary" is the Python of the environment SGLang is installed in.
 MODULE = "sglang.launch_server"
 
@@ -49,8 +48,8 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
                   description=f"sglang {req.model} rank {req.rank}/{req.world_size}")
 
 
-def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-    return (argv[0], "-m", MODULE, "--help"), 3
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
+    return (argv[0], "-m", MODULE, "--help"), 3, 1500
 
 
 def widest() -> list[ShardRequest]:

