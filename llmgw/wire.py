@@ -95,6 +95,8 @@ class Register(_Struct, tag="register", tag_field="type"):
     inventory: Inventory
     running: list[RunningShard] = []
     port_range: tuple[int, int] = (20000, 20999)
+    # Ports in that range something else on the node listens on: never to be assigned.
+    ports_busy: list[int] = []
     protocol: int = PROTOCOL_VERSION
     agent_version: str = ""
 
@@ -102,6 +104,7 @@ class Register(_Struct, tag="register", tag_field="type"):
 class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
     ram_available_mib: int = 0
     gpu_memory_free_mib: list[int] = []
+    ports_busy: list[int] = []
     sent_at: float = 0.0
 
 

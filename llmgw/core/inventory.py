@@ -58,6 +58,7 @@ class Node:
     fabric: str | None = None
     labels: tuple[tuple[str, str], ...] = ()
     port_range: tuple[int, int] = (20000, 20999)
+    ports_busy: frozenset[int] = frozenset()  # taken by something else on the node
     last_seen: float = 0.0
     connected: bool = True
 
@@ -87,7 +88,10 @@ def node_state(live: NodeLiveness, now: float, timeouts: Timeouts) -> NodeState:
     return NodeState.READY
 
 
-def node_from_register(msg: wire.Register, state: NodeState, last_seen: float) -> Node:
+def node_from_register(msg: wire.Register, state: NodeState, last_seen: float,
+                       ports_busy: list[int] | None = None) -> Node:
+    """The node as placement sees it; ``ports_busy`` is the latest heartbeat's, if newer
+    than the registration."""
     inv = msg.inventory
     return Node(
         id=msg.node_id,
@@ -100,5 +104,6 @@ def node_from_register(msg: wire.Register, state: NodeState, last_seen: float) -
         fabric=inv.fabric,
         labels=tuple(sorted(inv.labels.items())),
         port_range=tuple(msg.port_range),
+        ports_busy=frozenset(msg.ports_busy if ports_busy is None else ports_busy),
         last_seen=last_seen,
     )

@@ -85,7 +85,7 @@ def _free_ports(node: Node, used: frozenset[int], count: int) -> tuple[int, ...]
     low, high = node.port_range
     found: list[int] = []
     for port in range(low, high + 1):
-        if port not in used:
+        if port not in used and port not in node.ports_busy:
             found.append(port)
             if len(found) == count:
                 break

@@ -18,6 +18,8 @@ from llmgw.engines.base import EngineError, Launch, NodeFacts, ShardRequest
 ADAPTERS: dict[str, ModuleType] = {
     m.NAME: m for m in (sim, llamacpp, vllm, sglang, comfyui)
 }
+# Paths an adapter may take from agent.yaml's engines beside the engine's own binary.
+HELPER_BINARIES = frozenset({"llama.cpp-rpc", "comfyui-python"})
 
 
 def adapter(engine: str) -> ModuleType:
@@ -35,4 +37,7 @@ def render(engine: str, req: ShardRequest, node: NodeFacts) -> Launch:
     return replace(launch, env={**dict(req.env), **launch.env})
 
 
-__all__ = ["ADAPTERS", "EngineError", "Launch", "NodeFacts", "ShardRequest", "adapter", "render"]
+__all__ = [
+    "ADAPTERS", "HELPER_BINARIES", "EngineError", "Launch", "NodeFacts", "ShardRequest",
+    "adapter", "render",
+]

@@ -77,7 +77,7 @@ def binary(node: NodeFacts, engine: str) -> str:
     if not path:
         raise EngineError(
             f"no {engine} binary on this node: name one in agent.yaml under "
-            f"engines.{engine}.binary, or let the agent install it"
+            f"engines.{engine}.binary"
         )
     return path
 
@@ -97,10 +97,15 @@ def leader_rendezvous(req: ShardRequest) -> tuple[str, int]:
     return req.leader_address, req.rendezvous_port
 
 
+def hostport(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def gpu_env(gpus: tuple[int, ...]) -> dict[str, str]:
-    """CUDA numbers GPUs as placement does only in PCI bus order."""
+    """CUDA numbers GPUs as placement does only in PCI bus order. A shard given no GPU
+    sees none, so a CUDA-capable engine cannot take one placement did not give it."""
     if not gpus:
-        return {}
+        return {"CUDA_VISIBLE_DEVICES": ""}
     return {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus),

@@ -33,9 +33,10 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
     main = binary(node, NAME)
     port = need_port(req)
     argv = [python_for(main, node), main, "--listen", node.bind_address, "--port", str(port)]
-    if req.gpus:
-        # CUDA_VISIBLE_DEVICES leaves it exactly one device to see: number 0.
-        argv += ["--cuda-device", "0"]
+    # No --cuda-device: ComfyUI would overwrite CUDA_VISIBLE_DEVICES with it, and the
+    # placed GPU is already the only one it can see. Without a GPU it must be told.
+    if not req.gpus:
+        argv.append("--cpu")
     argv += req.args
     return Launch(tuple(argv), gpu_env(req.gpus), port, health_path="/system_stats",
                   description=f"comfyui {req.model}")
@@ -46,4 +47,5 @@ def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
 
 
 def widest() -> list[ShardRequest]:
-    return [ShardRequest("r-e1", 0, 1, "flux", port=20001, gpus=(3,))]
+    return [ShardRequest("r-e1", 0, 1, "flux", port=20001, gpus=(3,)),
+            ShardRequest("r-e1", 0, 1, "flux", port=20001)]

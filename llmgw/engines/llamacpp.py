@@ -27,6 +27,16 @@ RPC_BINARY = "ggml-rpc-server"
 ALL_LAYERS = "999"
 
 
+def _threads(args: tuple[str, ...]) -> str | None:
+    """The profile's thread count, which the RPC workers share with the leader."""
+    for i, arg in enumerate(args):
+        if arg in ("-t", "--threads") and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--threads="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def rpc_binary(node: NodeFacts) -> str:
     return node.binaries.get("llama.cpp-rpc") or posixpath.join(
         posixpath.dirname(binary(node, NAME)), RPC_BINARY)
@@ -37,6 +47,9 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
     env = gpu_env(req.gpus)
     if not req.serves:
         argv = [rpc_binary(node), "--host", node.bind_address, "--port", str(port)]
+        threads = _threads(req.args)
+        if threads:
+            argv += ["--threads", threads]
         return Launch(tuple(argv), env, port, health_path=None, tcp_ready=True,
                       description=f"llama.cpp RPC worker {req.rank}/{req.world_size}")
     if not req.weights:
@@ -79,5 +92,5 @@ def widest() -> list[ShardRequest]:
                   leader_address="10.0.0.1", rendezvous_port=20002)
     return [
         ShardRequest(rank=0, gpus=(0, 1), weights="/m.gguf", embeddings=True, **common),
-        ShardRequest(rank=1, gpus=(0,), **common),
+        ShardRequest(rank=1, gpus=(0,), args=("--threads", "4"), **common),
     ]

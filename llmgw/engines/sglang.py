@@ -13,6 +13,7 @@ from llmgw.engines.base import (
     ShardRequest,
     binary,
     gpu_env,
+    hostport,
     leader_rendezvous,
     need_port,
 )
@@ -34,7 +35,7 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
         argv += [
             "--nnodes", str(req.world_size),
             "--node-rank", str(req.rank),
-            "--dist-init-addr", f"{address}:{rendezvous}",
+            "--dist-init-addr", hostport(address, rendezvous),
         ]
     if req.embeddings:
         argv.append("--is-embedding")

@@ -11,6 +11,7 @@ from llmgw.engines.base import (
     NodeFacts,
     ShardRequest,
     gpu_env,
+    hostport,
     leader_rendezvous,
     need_port,
 )
@@ -26,7 +27,7 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
         argv += [
             "--rank", str(req.rank),
             "--world-size", str(req.world_size),
-            "--rendezvous", f"{address}:{rendezvous}",
+            "--rendezvous", hostport(address, rendezvous),
         ]
     port = None
     if req.serves:

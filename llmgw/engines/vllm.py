@@ -18,6 +18,7 @@ from llmgw.engines.base import (
     ShardRequest,
     binary,
     gpu_env,
+    hostport,
     leader_rendezvous,
     need_port,
 )
@@ -66,13 +67,15 @@ def _render_ray(req: ShardRequest, node: NodeFacts, argv: list[str], env: dict[s
     address, rendezvous = leader_rendezvous(req)
     ray = posixpath.join(posixpath.dirname(binary(node, NAME)), "ray")
     if not req.serves:
-        worker = (ray, "start", f"--address={address}:{rendezvous}", "--block")
+        worker = (ray, "start", f"--address={hostport(address, rendezvous)}",
+                  f"--node-ip-address={node.bind_address}", "--block")
         return Launch(worker, env, None, health_path=None,
                       description=f"ray worker for {req.model} rank {req.rank}")
     argv += ["--distributed-executor-backend", "ray",
              "--pipeline-parallel-size", str(req.world_size),
              "--host", node.bind_address, "--port", str(port), *req.args]
-    head = f"{shlex.quote(ray)} start --head --port={rendezvous} --disable-usage-stats"
+    head = (f"{shlex.quote(ray)} start --head --port={rendezvous} "
+            f"--node-ip-address={shlex.quote(node.bind_address)} --disable-usage-stats")
     script = f"{head} && exec {shlex.join(argv)}"
     return Launch(("/bin/sh", "-c", script), env, port, health_path="/health",
                   description=f"vllm {req.model} on ray, leader")

@@ -25,6 +25,7 @@ from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import NodeState
 from llmgw.core.names import replica_id
 from llmgw.core.replicas import Replica, Shard, adopt, apply_status, fail, new_replica
+from llmgw.engines.base import hostport
 from llmgw.server.agents.sessions import NodeSession, NodeSessions
 from llmgw.store import NodeRecord, Store
 
@@ -106,7 +107,7 @@ class Controller:
         self.replicas[replica.id] = replica
         log.info("replica %s of %s: %s", replica.id, model.name, placement.describe())
         leader = placement.shards[0]
-        peers = [f"{_hostport(s.address, s.port)}" for s in placement.shards]
+        peers = [hostport(s.address, s.port) for s in placement.shards]
         for shard in placement.shards:
             message = wire.StartShard(
                 replica=replica.id, rank=shard.rank, world_size=replica.world_size,
@@ -235,10 +236,6 @@ class Controller:
     def node_state(self, node_id: str) -> NodeState | None:
         session = self.sessions.get(node_id)
         return session.state if session else None
-
-
-def _hostport(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def _utc(ts: float) -> datetime:

@@ -11,17 +11,25 @@ import sys
 
 import openai
 import psutil
+import pytest
 
 from tests.integration.cluster import free_port, wait_for
 
 
-def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path):
+@pytest.mark.parametrize(("engine_args", "model"), [
+    ([], "smollm2-135m"),  # the default a newcomer gets: SmolLM2 on llama.cpp
+    (["--engine", "sim"], "sim-small"),
+], ids=["llama.cpp", "sim"])
+def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path, llama_cpp,
+                                                              engine_args, model):
+    # llama_cpp: the build `llmgw up` would start is done (and timed) by the fixture.
     port = free_port()
     state = tmp_path / "state"
     out_path = tmp_path / "up.out"
     with open(out_path, "wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port)],
+            [sys.executable, "-m", "llmgw", "up", "--state-dir", str(state), "--port", str(port),
+             *engine_args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -36,8 +44,11 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=0)
         reply = client.chat.completions.create(
-            model="sim-small", messages=[{"role": "user", "content": "Hello"}])
+            model=model, max_tokens=24, temperature=0,
+            messages=[{"role": "user", "content": "What is 2+2? Answer with the number."}])
         assert reply.choices[0].message.content
+        if model == "smollm2-135m":
+            assert "4" in reply.choices[0].message.content
 
         records = [json.loads(p.read_text())
                    for p in (state / "agent" / "shards").glob("*.json")]
@@ -50,9 +61,16 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path):
         assert up.wait(30) == 0
         _, alive = psutil.wait_procs(watched, timeout=10)
         assert not alive, f"still running after Ctrl-C: {alive}"
+    except BaseException:
+        print(out_path.read_text(errors="replace"))
+        for log in sorted((state / "logs").glob("*.log")):
+            print(f"===== {log.name}\n{log.read_text(errors='replace')[-5000:]}")
+        raise
     finally:
         # On failure, stop what this test started, by PID: up, its server and agent (each
-        # in its own session) and the engine.
+        # in its own session) and the engines, all of them up's descendants.
+        with contextlib.suppress(psutil.Error):
+            watched += psutil.Process(up.pid).children(recursive=True)
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait(5)

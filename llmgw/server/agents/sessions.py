@@ -49,6 +49,7 @@ class NodeSessions:
                 log.warning("%s connected again; closing its older stream", msg.node_id)
                 session.outbox.put_nowait(_CLOSE)
             session.register = msg
+            session.last_heartbeat = None
             session.live = NodeLiveness(last_seen=now, draining=session.live.draining)
             session.outbox = outbox
         session.connection = self._connections
@@ -96,7 +97,8 @@ class NodeSessions:
     def nodes(self) -> list[Node]:
         """Every known node as placement sees it (call ``refresh`` first)."""
         return [
-            node_from_register(s.register, s.state, s.live.last_seen)
+            node_from_register(s.register, s.state, s.live.last_seen,
+                               s.last_heartbeat.ports_busy if s.last_heartbeat else None)
             for s in sorted(self._sessions.values(), key=lambda s: s.node_id)
         ]
 
