@@ -41,8 +41,18 @@ class StoreSettings(_Config):
 
 
 class Auth(_Config):
-    # Every /v1 request needs an API key. Turn off only on a trusted loopback listener.
+    # Every /v1 request needs an API key. Off is allowed only on a loopback listener.
     require_api_key: bool = True
+    session_ttl_s: PositiveSeconds = 12 * 3600.0
+    # argon2id: at most this many hashes at once (each takes argon2_memory_kib).
+    hash_slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    argon2_memory_kib: Annotated[int, msgspec.Meta(ge=19 * 1024)] = 65536
+    argon2_time_cost: Annotated[int, msgspec.Meta(ge=2)] = 3
+    argon2_parallelism: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # Per client address: this many login attempts per window, for this many addresses.
+    login_attempts: Annotated[int, msgspec.Meta(ge=1)] = 10
+    login_window_s: PositiveSeconds = 300.0
+    login_throttle_capacity: Annotated[int, msgspec.Meta(ge=1)] = 10_000
 
 
 class NodeTimeouts(_Config):
@@ -130,6 +140,8 @@ class AgentConfig(_Config):
 
 C = TypeVar("C", ServerConfig, AgentConfig)
 
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
 _PATH_RE = re.compile(r" - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`$")
 
 
@@ -216,6 +228,12 @@ def _check(config: ServerConfig | AgentConfig, source: str) -> None:
                         f"{source}: models[{i}].profiles[{j}].name: {name!r} is used twice "
                         "in this model; give each profile its own name"
                     )
+        if not config.auth.require_api_key and config.listen.host not in _LOOPBACK:
+            raise ConfigError(
+                f"{source}: auth.require_api_key: false is allowed only when listen.host is "
+                f"a loopback address, not {config.listen.host!r}: anyone who can reach the "
+                "port could use every model"
+            )
         timeouts = config.nodes
         if not timeouts.heartbeat_interval_s < timeouts.unreachable_after_s < timeouts.lost_after_s:
             raise ConfigError(

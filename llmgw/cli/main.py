@@ -8,6 +8,7 @@ import logging
 import sys
 
 from llmgw import __version__
+from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import engine_check
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
 from llmgw.core.catalog import CatalogError
@@ -99,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
                        description="Operate a cluster and check its engines.")
     ctl = p.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
     engine_check.add_parser(ctl)
+    ctl_commands.add_parsers(ctl)
     return top
 
 

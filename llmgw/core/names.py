@@ -34,6 +34,18 @@ def check_element(name: str, what: str) -> str:
     return name
 
 
+_USERNAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,63}")
+
+
+def check_username(name: str) -> str:
+    if not _USERNAME_RE.fullmatch(name):
+        raise NameRuleError(
+            f"username {name!r} is not allowed: use 2-64 lowercase letters, digits and ._- "
+            "starting with a letter or digit"
+        )
+    return name
+
+
 def replica_id(model: str, epoch: int) -> str:
     """A replica's id: the model name made unit-safe, and the placement epoch that made it
     (epochs only grow, so the id is unique for the life of the store)."""

@@ -21,9 +21,11 @@ from llmgw.config import ServerConfig
 from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import Timeouts
+from llmgw.core.throttle import LoginThrottle
 from llmgw.server import admin
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.agents.stream import agent_stream
+from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, error_response
 from llmgw.server.openai import routes as openai_routes
@@ -79,6 +81,11 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                             heartbeat_interval_s=config.nodes.heartbeat_interval_s)
     router = Router()
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
+    auth = config.auth
+    throttle = LoginThrottle(auth.login_attempts, auth.login_window_s,
+                             auth.login_throttle_capacity)
+    hasher = PasswordHasher(auth.hash_slots, auth.argon2_memory_kib, auth.argon2_time_cost,
+                            auth.argon2_parallelism)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -98,6 +105,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
+            "throttle": throttle, "hasher": hasher,
         }),
         exception_handlers={
             ApiError: _api_error,

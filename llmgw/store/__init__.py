@@ -4,16 +4,33 @@
 out is a plain frozen record from `llmgw.store.records`.
 """
 
-from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel
-from llmgw.store.store import SUPPORTED_SCHEMES, Store, StoreError, open_store, sqlite_url
+from llmgw.store.records import (
+    ACCOUNT_ROLES,
+    AccountRecord,
+    ApiKeyRecord,
+    InviteRecord,
+    InviteUnusable,
+    NodeRecord,
+    SessionRecord,
+    StoredModel,
+    StoreError,
+    UsernameTaken,
+)
+from llmgw.store.store import SUPPORTED_SCHEMES, Store, open_store, sqlite_url
 
 __all__ = [
+    "ACCOUNT_ROLES",
     "SUPPORTED_SCHEMES",
+    "AccountRecord",
     "ApiKeyRecord",
+    "InviteRecord",
+    "InviteUnusable",
     "NodeRecord",
+    "SessionRecord",
     "Store",
     "StoreError",
     "StoredModel",
+    "UsernameTaken",
     "open_store",
     "sqlite_url",
 ]

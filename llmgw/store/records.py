@@ -1,7 +1,11 @@
-"""What the store hands out: plain frozen Structs, never live ORM rows.
+"""What the store hands out: plain frozen Structs, never live ORM rows, and StoreError.
 
 Callers (the server, the controller) get values they can keep, compare and pass across
 tasks without a session attached; the table classes stay private to the store.
+
+Secrets never reach the store: accounts, sessions, invites and API keys carry hashes the
+caller made, and the store has no way to tell a hash from a plaintext, so it is the
+caller's job never to pass one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,20 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
+
+ACCOUNT_ROLES = ("admin", "user")
+
+
+class StoreError(Exception):
+    """The store refused or failed; the message says what was wrong and what to do."""
+
+
+class UsernameTaken(StoreError):
+    """`add_account`: an account with this username exists already."""
+
+
+class InviteUnusable(StoreError):
+    """`add_account(..., invite_code_hash=...)`: the invite is unknown, used or expired."""
 
 
 class StoredModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +59,8 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """An API key. Only `secret_hash` is kept; the secret itself is never stored.
 
     `allowed_models` None means every model; `id` is None until the store assigns one.
+    `account_id` is the owning account; None for a key made with the admin token (e.g. by
+    `llmgw up`).
     """
 
     id: int | None = None
@@ -51,3 +71,39 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     created_at: datetime
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
+    account_id: int | None = None
+
+
+class AccountRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A person who signs in. `role` is one of ACCOUNT_ROLES.
+
+    `username` is lowercase (the store refuses others, so the unique constraint on it is
+    case-insensitive uniqueness). Accounts are disabled (`disabled_at`), not deleted.
+    """
+
+    id: int | None = None
+    username: str
+    password_hash: str
+    role: str
+    created_at: datetime
+    disabled_at: datetime | None = None
+
+
+class SessionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A signed-in browser session, found by the hash of its token."""
+
+    token_hash: str
+    account_id: int
+    created_at: datetime
+    expires_at: datetime
+
+
+class InviteRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A one-time signup code, found by its hash; `used_by` is set once it is used."""
+
+    code_hash: str
+    created_at: datetime
+    expires_at: datetime
+    created_by: int | None = None
+    used_by: int | None = None
+    used_at: datetime | None = None

@@ -1,4 +1,5 @@
-"""The store: desired state (models, settings), registered nodes and API keys.
+"""The store: desired state (models, settings), registered nodes, API keys, and (in
+`llmgw.store.accounts`, mixed in) accounts, sessions and invites.
 
 Rule of the house: never make a network call inside a transaction. Each Store method is
 one short transaction that opens, does its statements and commits; callers talk to agents,
@@ -30,17 +31,15 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from llmgw.store import migrate
-from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel
+from llmgw.store.accounts import AccountsMixin, _require_account
+from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel, StoreError
 from llmgw.store.tables import ApiKeyRow, CounterRow, ModelRow, NodeRow, SettingRow
 
 SUPPORTED_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
 EPOCH_COUNTER = "placement_epoch"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 PG_CONNECT_TIMEOUT_S = 10
-
-
-class StoreError(Exception):
-    """The store refused or failed; the message says what was wrong and what to do."""
+_WRITE_OPTION = "llmgw_write"
 
 
 def sqlite_url(path: str | Path) -> str:
@@ -119,7 +118,11 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_on_begin(conn: Any) -> None:
-    conn.exec_driver_sql("BEGIN")
+    # A transaction that reads before it writes takes the write lock at its start: a
+    # deferred one that has read cannot take it once another writer committed, and SQLite
+    # then answers "database is locked" at once, busy_timeout or not.
+    write = conn.get_execution_options().get(_WRITE_OPTION, False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def _words(exc: BaseException) -> str:
@@ -128,7 +131,7 @@ def _words(exc: BaseException) -> str:
     return str(inner).strip() or type(inner).__name__
 
 
-class Store:
+class Store(AccountsMixin):
     """Async access to the store; one instance per process, shared by all tasks."""
 
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:
@@ -143,10 +146,16 @@ class Store:
         await self.engine.dispose()
 
     @asynccontextmanager
-    async def _tx(self) -> AsyncIterator[AsyncSession]:
-        """One short transaction; driver failures come out as StoreError."""
+    async def _tx(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
+        """One short transaction; driver failures come out as StoreError.
+
+        Pass `write=True` when the transaction reads before it writes (SQLite then starts
+        it with BEGIN IMMEDIATE); single-statement writes need not.
+        """
         try:
             async with self._sessions() as session, session.begin():
+                if write:
+                    await session.connection(execution_options={_WRITE_OPTION: True})
                 yield session
         except StatementError as exc:
             if not isinstance(exc, DBAPIError) and isinstance(exc.orig, ValueError):
@@ -259,8 +268,11 @@ class Store:
             created_at=key.created_at,
             expires_at=key.expires_at,
             revoked_at=key.revoked_at,
+            account_id=key.account_id,
         )
-        async with self._tx() as s:
+        async with self._tx(write=True) as s:
+            if key.account_id is not None:
+                await _require_account(s, key.account_id)
             s.add(row)
             try:
                 await s.flush()
@@ -277,14 +289,18 @@ class Store:
             row = await s.scalar(select(ApiKeyRow).where(ApiKeyRow.prefix == prefix))
             return None if row is None else row.to_record()
 
-    async def list_api_keys(self) -> list[ApiKeyRecord]:
+    async def list_api_keys(self, account_id: int | None = None) -> list[ApiKeyRecord]:
+        """The keys of the account if given, else every key; by id, revoked ones included."""
+        stmt = select(ApiKeyRow).order_by(ApiKeyRow.id)
+        if account_id is not None:
+            stmt = stmt.where(ApiKeyRow.account_id == account_id)
         async with self._tx() as s:
-            rows = await s.scalars(select(ApiKeyRow).order_by(ApiKeyRow.id))
+            rows = await s.scalars(stmt)
             return [row.to_record() for row in rows]
 
     async def revoke_api_key(self, prefix: str, at: datetime) -> bool:
         """Revoke the key; False if no key has this prefix. A second revoke keeps the first time."""
-        async with self._tx() as s:
+        async with self._tx(write=True) as s:
             found = await s.scalar(select(ApiKeyRow.id).where(ApiKeyRow.prefix == prefix))
             if found is None:
                 return False

@@ -11,13 +11,30 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Integer, MetaData, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel
+from llmgw.store.records import (
+    ACCOUNT_ROLES,
+    AccountRecord,
+    ApiKeyRecord,
+    InviteRecord,
+    NodeRecord,
+    SessionRecord,
+    StoredModel,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_name)s",
@@ -128,6 +145,10 @@ class ApiKeyRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # A deleted account takes its keys with it: a key must never outlive its owner.
+    account_id: Mapped[int | None] = mapped_column(
+        ForeignKey("accounts.id", ondelete="CASCADE"), nullable=True, index=True
+    )
 
     def to_record(self) -> ApiKeyRecord:
         return ApiKeyRecord(
@@ -139,4 +160,73 @@ class ApiKeyRow(Base):
             created_at=self.created_at,
             expires_at=self.expires_at,
             revoked_at=self.revoked_at,
+            account_id=self.account_id,
+        )
+
+
+class AccountRow(Base):
+    __tablename__ = "accounts"
+    __table_args__ = (CheckConstraint(f"role IN {ACCOUNT_ROLES!r}", name="role"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    username: Mapped[str] = mapped_column(String(255), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    disabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    def to_record(self) -> AccountRecord:
+        return AccountRecord(
+            id=self.id,
+            username=self.username,
+            password_hash=self.password_hash,
+            role=self.role,
+            created_at=self.created_at,
+            disabled_at=self.disabled_at,
+        )
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(255), primary_key=True)
+    account_id: Mapped[int] = mapped_column(
+        ForeignKey("accounts.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    def to_record(self) -> SessionRecord:
+        return SessionRecord(
+            token_hash=self.token_hash,
+            account_id=self.account_id,
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+        )
+
+
+class InviteRow(Base):
+    """A signup code; who made and who used it survive as NULL if that account goes."""
+
+    __tablename__ = "invites"
+
+    code_hash: Mapped[str] = mapped_column(String(255), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    created_by: Mapped[int | None] = mapped_column(
+        ForeignKey("accounts.id", ondelete="SET NULL"), nullable=True
+    )
+    used_by: Mapped[int | None] = mapped_column(
+        ForeignKey("accounts.id", ondelete="SET NULL"), nullable=True
+    )
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+    def to_record(self) -> InviteRecord:
+        return InviteRecord(
+            code_hash=self.code_hash,
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            created_by=self.created_by,
+            used_by=self.used_by,
+            used_at=self.used_at,
         )

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import text
 
 from llmgw.store import Store, open_store, sqlite_url
+from llmgw.store.tables import Base
 from tests.pg import (
     UNREACHABLE,
     create_database,
@@ -25,7 +26,8 @@ BACKENDS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("postgresql", id="postgresql", marks=pytest.mark.postgres),
 ]
-TABLES = ("models", "nodes", "settings", "counters", "api_keys")
+# Every table of the schema, so a new one is emptied between tests without a change here.
+TABLES = tuple(t.name for t in Base.metadata.sorted_tables)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,7 @@ async def store(backend_url: str) -> AsyncIterator[Store]:
     opened = await open_store(backend_url)
     if opened.backend == "postgresql":
         async with opened.engine.begin() as conn:
-            await conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY"))
+            await conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
     try:
         yield opened
     finally:

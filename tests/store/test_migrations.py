@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import stat
+from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -15,7 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from llmgw.store import StoreError, migrate, open_store, sqlite_url
 from llmgw.store.tables import Base
 
-TABLES = {"models", "nodes", "settings", "counters", "api_keys"}
+TABLES_0001 = {"models", "nodes", "settings", "counters", "api_keys"}
+TABLES = TABLES_0001 | {"accounts", "sessions", "invites"}
+T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 
 async def table_names(engine: AsyncEngine) -> set[str]:
@@ -49,6 +53,50 @@ async def test_upgrade_from_empty_creates_the_tables(engine: AsyncEngine) -> Non
     assert [u["name"] for u in unique] == ["uq_api_keys_prefix"]
 
 
+async def test_foreign_keys_cascade_or_set_null(engine: AsyncEngine) -> None:
+    await migrate.upgrade(engine)
+
+    def foreign_keys(sync_conn) -> dict[str, tuple]:
+        found = {}
+        for table in ("api_keys", "sessions", "invites"):
+            for fk in inspect(sync_conn).get_foreign_keys(table):
+                found[fk["name"]] = (
+                    table,
+                    fk["constrained_columns"],
+                    fk["referred_table"],
+                    fk["referred_columns"],
+                    fk["options"].get("ondelete"),
+                )
+        return found
+
+    async with engine.connect() as conn:
+        found = await conn.run_sync(foreign_keys)
+    assert found == {
+        "fk_api_keys_account_id_accounts": (
+            "api_keys",
+            ["account_id"],
+            "accounts",
+            ["id"],
+            "CASCADE",
+        ),
+        "fk_sessions_account_id_accounts": (
+            "sessions",
+            ["account_id"],
+            "accounts",
+            ["id"],
+            "CASCADE",
+        ),
+        "fk_invites_created_by_accounts": (
+            "invites",
+            ["created_by"],
+            "accounts",
+            ["id"],
+            "SET NULL",
+        ),
+        "fk_invites_used_by_accounts": ("invites", ["used_by"], "accounts", ["id"], "SET NULL"),
+    }
+
+
 async def test_head_matches_the_table_classes(engine: AsyncEngine) -> None:
     await migrate.upgrade(engine)
     async with engine.connect() as conn:
@@ -67,6 +115,69 @@ async def test_downgrade_to_base_removes_the_tables(engine: AsyncEngine) -> None
 
     await migrate.upgrade(engine)  # and back up again
     assert await table_names(engine) == TABLES | {"alembic_version"}
+
+
+async def test_upgrade_from_0001_with_rows_in_it(empty_url: str, engine: AsyncEngine) -> None:
+    """A store made by 0001 and in use: the upgrade keeps every row, the downgrade too."""
+    pg = engine.dialect.name == "postgresql"
+    when = T0 if pg else T0.replace(tzinfo=None).isoformat(" ")  # how each stores it
+    await migrate.upgrade(engine, "0001")
+    async with engine.begin() as conn:
+        for sql, values in [
+            (
+                "INSERT INTO models (name, spec, created_at, updated_at)"
+                " VALUES ('qwen', :spec, :t, :t)",
+                {"spec": '{"replicas": 2}'},
+            ),
+            (
+                "INSERT INTO nodes (id, address, state, inventory, registered_at, last_seen_at)"
+                " VALUES ('gpu-1', 'gpu-1.lan:7000', 'ready', :inv, :t, :t)",
+                {"inv": '{"cpus": 64}'},
+            ),
+            ("INSERT INTO settings (key, value) VALUES ('interval', '5')", {}),
+            (
+                "INSERT INTO api_keys (prefix, secret_hash, name, allowed_models, created_at)"
+                " VALUES ('llmgw_old1', 'hash1', 'up', NULL, :t),"
+                " ('llmgw_old2', 'hash2', 'ci', :allowed, :t)",
+                {"allowed": '["qwen"]'},
+            ),
+        ]:
+            await conn.execute(text(sql), {"t": when, **values} if ":t" in sql else values)
+
+    store = await open_store(empty_url)  # upgrades 0001 -> head, as a server start does
+    try:
+        assert await migrate.current_revision(store.engine) == migrate.head_revision()
+        assert (await store.get_model("qwen")).spec == {"replicas": 2}
+        assert (await store.get_model("qwen")).created_at == T0
+        assert (await store.get_node("gpu-1")).inventory == {"cpus": 64}
+        assert await store.get_setting("interval") == 5
+        keys = await store.list_api_keys()
+        assert [(k.prefix, k.secret_hash, k.allowed_models) for k in keys] == [
+            ("llmgw_old1", "hash1", None),
+            ("llmgw_old2", "hash2", ["qwen"]),
+        ]
+        assert [k.account_id for k in keys] == [None, None]
+        assert keys[0].created_at == T0
+        new = msgspec.structs.replace(keys[0], id=None, prefix="llmgw_new1")
+        key = await store.add_api_key(new)
+        assert key.id == 3  # the id sequence carried on past the old rows
+
+        await migrate.downgrade(store.engine, "0001")
+    finally:
+        await store.close()
+
+    assert await migrate.current_revision(engine) == "0001"
+    assert await table_names(engine) == TABLES_0001 | {"alembic_version"}
+    async with engine.connect() as conn:
+        columns = await conn.run_sync(lambda c: inspect(c).get_columns("api_keys"))
+        counts = {
+            table: (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar()
+            for table in ("models", "nodes", "settings", "api_keys")
+        }
+        prefixes = (await conn.execute(text("SELECT prefix FROM api_keys ORDER BY id"))).all()
+    assert "account_id" not in {c["name"] for c in columns}
+    assert counts == {"models": 1, "nodes": 1, "settings": 1, "api_keys": 3}
+    assert [p for (p,) in prefixes] == ["llmgw_old1", "llmgw_old2", "llmgw_new1"]
 
 
 async def test_upgrade_again_keeps_rows(empty_url: str) -> None:

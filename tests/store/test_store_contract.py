@@ -200,3 +200,25 @@ async def test_naive_datetime_is_refused(store: Store) -> None:
     with pytest.raises(StoreError, match="naive datetime"):
         await store.put_node(node("n1", last_seen_at=datetime(2025, 1, 1, 12, 0)))
     assert await store.get_node("n1") is None
+
+
+async def test_api_keys_without_an_account_belong_to_none(store: Store) -> None:
+    """Keys made with the admin token (e.g. by `llmgw up`) have no owning account."""
+    made = await store.add_api_key(api_key("llmgw_up01"))
+    assert made.account_id is None
+    assert (await store.find_api_key("llmgw_up01")).account_id is None
+    assert await store.list_api_keys() == [made]
+    assert await store.list_api_keys(account_id=1) == []
+
+
+async def test_read_then_write_transactions_do_not_lock_each_other_out(store: Store) -> None:
+    """revoke_api_key reads, then writes: on SQLite, concurrent ones must wait for the
+    write lock, not fail with "database is locked"."""
+    for i in range(10):
+        await store.add_api_key(api_key(f"llmgw_c{i:03}"))
+    at = T0 + timedelta(hours=1)
+    done = await asyncio.gather(
+        *(store.revoke_api_key(f"llmgw_c{i % 10:03}", at) for i in range(30))
+    )
+    assert done == [True] * 30
+    assert all(k.revoked_at == at for k in await store.list_api_keys())

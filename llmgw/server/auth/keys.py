@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 import string
 import zlib
 from datetime import UTC, datetime
-from pathlib import Path
 
 from llmgw.store import ApiKeyRecord, Store
 
@@ -58,13 +55,15 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-async def create_api_key(store: Store, name: str, allowed_models: list[str] | None = None
+async def create_api_key(store: Store, name: str, allowed_models: list[str] | None = None,
+                         *, account_id: int | None = None, expires_at: datetime | None = None
                          ) -> tuple[str, ApiKeyRecord]:
     """Make and store a key; the plaintext is returned once and never kept."""
     key = new_api_key()
     record = await store.add_api_key(ApiKeyRecord(
         prefix=key_id(key), secret_hash=hash_key(key), name=name,
-        allowed_models=allowed_models, created_at=datetime.now(UTC)))
+        allowed_models=allowed_models, created_at=datetime.now(UTC),
+        account_id=account_id, expires_at=expires_at))
     return key, record
 
 
@@ -90,44 +89,3 @@ def bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
-
-
-# --- the admin token -------------------------------------------------------------------------
-
-
-class SecretsFileError(Exception):
-    """A secrets file that is unsafe or unreadable; the message says how to fix it."""
-
-
-def load_or_create_admin_token(state_dir: str | Path) -> tuple[str, bool]:
-    """The admin token from ``<state_dir>/secrets/admin-token``, made at first start.
-
-    Returns ``(token, created)``. Refuses a file that others can read: the token is root
-    of the cluster's trust, so the server will not run with it exposed.
-    """
-    directory = Path(state_dir) / "secrets"
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / "admin-token"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        token = "llmgw_admin_" + secrets.token_urlsafe(32)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        return token, True
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretsFileError(
-            f"{path} is readable by other users (mode {stat.S_IMODE(mode):o}); "
-            f"run `chmod 600 {path}` and start again"
-        )
-    token = path.read_text().strip()
-    if not token:
-        raise SecretsFileError(f"{path} is empty; delete it to have a new token made")
-    return token, False
-
-
-def admin_token_ok(expected: str, presented: str | None) -> bool:
-    return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())

@@ -1,23 +1,15 @@
-"""``/api``: the admin API. For now, the cluster's state as the controller sees it."""
+"""``/api/status``: the cluster as the controller sees it."""
 
 from __future__ import annotations
 
 from litestar import Request, get
 
-from llmgw.server.auth import admin_token_ok, bearer
-from llmgw.server.errors import ApiError
-
-
-def _require_admin(request: Request) -> None:
-    token = bearer(request.headers.get("authorization"))
-    if not admin_token_ok(request.app.state.admin_token, token):
-        raise ApiError(401, "this needs the admin token: send `Authorization: Bearer <token>` "
-                       "from the state directory's secrets/admin-token", code="admin_required")
+from llmgw.server.admin.common import require
 
 
 @get("/api/status")
 async def status(request: Request) -> dict:
-    _require_admin(request)
+    await require(request, admin=True)
     controller = request.app.state.controller
     nodes = []
     for session in controller.sessions.all():
@@ -47,7 +39,10 @@ async def status(request: Request) -> dict:
          "unplaced": controller.unplaced.get(m.name)}
         for m in controller.catalog.models
     ]
-    return {"nodes": nodes, "replicas": replicas, "models": models}
+    state = request.app.state
+    logins = {"throttled_addresses": len(state.throttle),
+              "throttle_capacity": state.throttle.capacity, **state.hasher.stats()}
+    return {"nodes": nodes, "replicas": replicas, "models": models, "logins": logins}
 
 
 ROUTES = [status]

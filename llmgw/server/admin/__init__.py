@@ -1,0 +1,5 @@
+"""``/api``: the admin API: cluster status, accounts, sessions and API keys."""
+
+from llmgw.server.admin import accounts, keys, status
+
+ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES]

@@ -1,0 +1,50 @@
+"""What every /api handler needs: who is asking, and strict decoding of what they sent."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from litestar import Request
+
+from llmgw.server.auth.sessions import Principal, resolve
+from llmgw.server.errors import ApiError
+
+T = TypeVar("T")
+
+
+class Input(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Request bodies: a field this endpoint does not take is an error, never ignored, so
+    nobody can set (say) their own role by adding it to a body."""
+
+
+async def require(request: Request, *, admin: bool = False) -> Principal:
+    principal = await resolve(request)
+    if principal is None:
+        raise ApiError(401, "log in first (POST /api/auth/login), or send the admin token "
+                       "as `Authorization: Bearer …`", code="login_required")
+    if admin and not principal.is_admin:
+        raise ApiError(403, "this needs an admin", code="admin_required")
+    return principal
+
+
+async def body(request: Request, kind: type[T]) -> T:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind, strict=True)
+    except msgspec.ValidationError as err:
+        text = str(err)
+        field = text.rsplit("$.", 1)[-1].rstrip("`") if "$." in text else None
+        if "unknown field" in text:
+            name = text.split("unknown field", 1)[1].strip(" `")
+            raise ApiError(400, f"`{name}` cannot be set here", param=name,
+                           code="unknown_field") from None
+        raise ApiError(400, f"invalid request: {text.replace('`', '')}", param=field,
+                       code="invalid_value") from None
+    except msgspec.DecodeError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}",
+                       code="invalid_json") from None
+
+
+def client_address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"

@@ -1,0 +1,81 @@
+"""Sessions for the web page and for ``llmgw ctl`` logged in as a user.
+
+A session token is random and only its SHA-256 is stored. The page gets it as an
+HttpOnly, SameSite=Strict cookie, which scripts cannot read and other sites cannot send;
+the CLI gets it once, as a bearer token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from litestar import Request
+
+from llmgw.server.auth.admin_token import admin_token_ok
+from llmgw.server.auth.keys import bearer
+from llmgw.store import SessionRecord, Store
+
+SESSION_PREFIX = "llmgws_"
+COOKIE = "llmgw_session"
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+async def open_session(store: Store, account_id: int, ttl_s: float) -> tuple[str, datetime]:
+    token = SESSION_PREFIX + secrets.token_urlsafe(32)
+    now = datetime.now(UTC)
+    expires = now + timedelta(seconds=ttl_s)
+    await store.add_session(SessionRecord(token_hash=_hash(token), account_id=account_id,
+                                          created_at=now, expires_at=expires))
+    return token, expires
+
+
+async def close_session(store: Store, token: str) -> None:
+    await store.delete_session(_hash(token))
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is asking: an account, or the holder of the admin token."""
+
+    account_id: int | None
+    username: str
+    role: str
+    session_token: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+ADMIN_TOKEN_HOLDER = Principal(None, "(admin token)", "admin")
+
+
+def session_token(request: Request) -> str | None:
+    token = bearer(request.headers.get("authorization"))
+    if token and token.startswith(SESSION_PREFIX):
+        return token
+    return request.cookies.get(COOKIE)
+
+
+async def resolve(request: Request) -> Principal | None:
+    """The principal behind a request, or None for an anonymous one."""
+    state = request.app.state
+    token = bearer(request.headers.get("authorization"))
+    if token and admin_token_ok(state.admin_token, token):
+        return ADMIN_TOKEN_HOLDER
+    session = session_token(request)
+    if not session:
+        return None
+    record = await state.store.find_session(_hash(session))
+    if record is None or record.expires_at <= datetime.now(UTC):
+        return None
+    account = await state.store.get_account(record.account_id)
+    if account is None or account.disabled_at is not None:
+        return None
+    return Principal(account.id, account.username, account.role, session)
