@@ -10,6 +10,7 @@ import sys
 from llmgw import __version__
 from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import engine_check
+from llmgw.cli import store as store_commands
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
 from llmgw.core.catalog import CatalogError
 
@@ -101,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
     ctl = p.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
     engine_check.add_parser(ctl)
     ctl_commands.add_parsers(ctl)
+    store_commands.add_parser(sub)
     return top
 
 

@@ -16,6 +16,7 @@ from llmgw.core.catalog import Catalog, catalog_from_config
 from llmgw.server.app import build
 from llmgw.server.auth import load_or_create_admin_token
 from llmgw.store import Store, open_store, sqlite_url
+from llmgw.store.lock import hold_state_lock
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     """Serve until SIGINT/SIGTERM. ``ready`` is set once the listener is up."""
     catalog = catalog_from_config(config.models)
     Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Held for the server's life: `llmgw store` operations refuse while it runs.
+    with hold_state_lock(config.state_dir):
+        await _serve(config, catalog, ready)
+
+
+async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | None) -> None:
     admin_token, created = load_or_create_admin_token(config.state_dir)
     if created:
         log.info("made a new admin token in %s/secrets/admin-token", config.state_dir)

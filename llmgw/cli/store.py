@@ -1,0 +1,173 @@
+"""``llmgw store``: back up or restore the server's store, or move it to PostgreSQL.
+
+Each command reads server.yaml for the store and the state directory, and holds the
+state-directory lock for its whole run: it refuses while the server runs, and the server
+cannot start until it is done. Failures are one line on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from llmgw.config import ConfigError, ServerConfig, load
+from llmgw.store import StoreError, ops
+from llmgw.store.lock import hold_state_lock
+
+DEFAULT_CONFIG = "/etc/llmgw/server.yaml"
+_RESTART = "start the server again, e.g. `systemctl start llmgw-server`"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "store",
+        help="back up, restore, or move the server's store",
+        description="Back up or restore the server's store, or move it from SQLite to "
+        "PostgreSQL. A backup runs beside the server; restore and the move refuse while it runs.",
+    )
+    cmds = p.add_subparsers(dest="store_command", metavar="COMMAND", required=True)
+
+    b = cmds.add_parser(
+        "backup",
+        help="write a consistent copy of the store to a file",
+        description="Write a consistent copy of the store to PATH (mode 0600): a SQLite "
+        "database, or for PostgreSQL a pg_dump archive (custom format, no owners).",
+    )
+    b.add_argument("path", type=Path, metavar="PATH", help="the backup file to write")
+    b.add_argument("--overwrite", action="store_true", help="replace PATH if it exists")
+    _config_option(b)
+    b.set_defaults(func=_backup)
+
+    r = cmds.add_parser(
+        "restore",
+        help="replace the store with a backup",
+        description="Replace the store with the backup at PATH and bring it up to this "
+        "llmgw's schema. SQLite: the database it replaces is kept beside it. PostgreSQL: "
+        "the database must hold no llmgw tables.",
+    )
+    r.add_argument("path", type=Path, metavar="PATH", help="a file `llmgw store backup` made")
+    _config_option(r)
+    r.set_defaults(func=_restore)
+
+    m = cmds.add_parser(
+        "migrate-to-postgres",
+        help="copy the SQLite store into PostgreSQL and use it",
+        description="Copy every row of the SQLite store into an empty PostgreSQL database, "
+        "then set store.url in server.yaml to it (the old file is kept beside it). The "
+        "SQLite store is only read.",
+    )
+    m.add_argument(
+        "--url",
+        required=True,
+        metavar="URL",
+        help="the empty database, e.g. postgresql+asyncpg://llmgw:PASSWORD@db/llmgw; "
+        "`-` reads it from the first line of stdin, which keeps a password out of "
+        "the process list and the shell's history",
+    )
+    _config_option(m)
+    m.set_defaults(func=_migrate)
+
+
+def _config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        "-c",
+        default=DEFAULT_CONFIG,
+        metavar="server.yaml",
+        help=f"the server's configuration file (default {DEFAULT_CONFIG})",
+    )
+
+
+def _command(action, *, locked: bool = True):
+    """Load the config, hold the state-directory lock (unless the operation is safe beside a
+    running server), run `action` with the store's URL; StoreError and ConfigError exit 1
+    with their message."""
+
+    def run(args: argparse.Namespace) -> int:
+        from llmgw.server.run import store_url  # the server's imports, only when needed
+
+        try:
+            config = load(args.config, ServerConfig)
+            if not locked:
+                action(args, store_url(config))
+                return 0
+            with hold_state_lock(config.state_dir, f"`llmgw store {args.store_command}`"):
+                action(args, store_url(config))
+        except (StoreError, ConfigError) as err:
+            print(f"llmgw store {args.store_command}: {ops.mask_text(str(err))}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run
+
+
+def _locked(action):
+    return _command(action)
+
+
+# Online: SQLite's backup API and pg_dump both take a consistent snapshot while the
+# server keeps writing, so a backup needs no downtime.
+@functools.partial(_command, locked=False)
+def _backup(args: argparse.Namespace, url: str) -> None:
+    dest = asyncio.run(ops.backup(url, args.path, overwrite=args.overwrite))
+    size = dest.stat().st_size
+    print(f"backed up {ops.mask(url)} to {dest} ({_size(size)}, mode 0600)")
+
+
+@_locked
+def _restore(args: argparse.Namespace, url: str) -> None:
+    kept = asyncio.run(ops.restore(url, args.path))
+    aside = f"; the database it replaced is kept as {kept}" if kept else ""
+    print(f"restored {args.path} into {ops.mask(url)}{aside}; {_RESTART}")
+
+
+@_locked
+def _migrate(args: argparse.Namespace, url: str) -> None:
+    if ops.backend(url) == "postgresql":
+        raise StoreError(
+            f"the store is already on PostgreSQL ({ops.mask(url)}); moving "
+            "one PostgreSQL store into another is not supported"
+        )
+    given = sys.stdin.readline().strip() if args.url == "-" else args.url
+    new = ops.asyncpg_url(given)
+    if ops.backend(new) != "postgresql":
+        raise StoreError(
+            f"--url {ops.mask(new)} is not a PostgreSQL URL; give one like "
+            "postgresql+asyncpg://llmgw:PASSWORD@HOST/DATABASE"
+        )
+    counts = asyncio.run(ops.migrate_to_postgres(url, new))
+    try:
+        kept = ops.point_config_at(Path(args.config), new)
+    except StoreError as err:
+        try:
+            asyncio.run(ops.drop_store(new))
+            undone = "the copy in PostgreSQL was removed again"
+        except StoreError as drop_err:
+            undone = f"removing the copy in PostgreSQL failed too ({drop_err})"
+        raise StoreError(f"{err}; {undone}; the SQLite store is untouched") from err
+
+    print(f"copied the store from {ops.mask(url)} to {ops.mask(new)}:")
+    table = Table(box=None, pad_edge=False)
+    table.add_column("table")
+    table.add_column("rows", justify="right")
+    for name, rows in counts.items():
+        table.add_row(name, str(rows))
+    Console(highlight=False, markup=False).print(table)
+    print(f"{args.config}: store.url now names PostgreSQL; the previous file is kept as {kept}")
+    print(f"the SQLite store is left as it was; {_RESTART}")
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
