@@ -109,6 +109,7 @@ def login(args):
     path = session_file()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file may have been looser
     with os.fdopen(fd, "w") as f:
         json.dump({"server": _server(args), "token": reply["token"]}, f)
     print(f"logged in to {_server(args)} as {reply['username']} ({reply['role']}) "
@@ -116,7 +117,10 @@ def login(args):
 
 
 def logout(args):
-    if _saved().get("token"):
+    saved = _saved().get("token")
+    if saved:
+        # The saved session, whatever --token or $LLMGW_TOKEN say: it is the one to end.
+        args.token = saved
         call(args, "POST", "/api/auth/logout", {})
     session_file().unlink(missing_ok=True)
     print("logged out")

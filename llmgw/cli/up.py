@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -27,7 +28,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from llmgw import config as cfg
 from llmgw.agent.install import pypi
 from llmgw.core.names import NameRuleError, check_model_name
-from llmgw.server.auth import create_api_key, key_id, load_or_create_admin_token
+from llmgw.server.auth import (
+    SecretsFileError,
+    check_api_key,
+    create_api_key,
+    load_or_create_admin_token,
+)
 from llmgw.server.run import store_url
 from llmgw.store import open_store
 
@@ -145,8 +151,8 @@ async def api_key(state: Path, server_config: cfg.ServerConfig) -> str:
     try:
         if path.exists():
             key = path.read_text().strip()
-            prefix = key_id(key)
-            if prefix and await store.find_api_key(prefix):
+            # Only a key that still works: revoked or expired, a new one is made.
+            if not isinstance(await check_api_key(store, key, datetime.now(UTC)), str):
                 return key
         key, _ = await create_api_key(store, "llmgw up")
     finally:
@@ -243,7 +249,11 @@ def up(args: argparse.Namespace) -> int:
     server_path, agent_path = write_configs(state, args.port, demo)
     server_config = cfg.load(server_path, cfg.ServerConfig)
     (state / "server").mkdir(exist_ok=True, mode=0o700)
-    admin_token, _ = load_or_create_admin_token(server_config.state_dir)
+    try:
+        admin_token, _ = load_or_create_admin_token(server_config.state_dir)
+    except SecretsFileError as err:
+        console.print(f"[red]llmgw up: {err}[/]")
+        return 1
     key = asyncio.run(api_key(state, server_config))
 
     base = f"http://127.0.0.1:{args.port}"

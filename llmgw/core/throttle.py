@@ -58,10 +58,6 @@ class LoginThrottle:
         entry.attempts += 1
         return Verdict(True)
 
-    def succeeded(self, address: str) -> None:
-        """A correct password clears the address's count."""
-        self._entries.pop(address, None)
-
     def _expire(self, now: float) -> None:
         # Entries are in window-start order: drop from the front while they are stale.
         while self._entries:

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from litestar import Litestar, Request, Response, get
 from litestar.datastructures import State
@@ -31,7 +32,7 @@ from llmgw.server.errors import ApiError, error_response
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai.proxy import client_session
 from llmgw.server.openai.router import Router
-from llmgw.store import Store
+from llmgw.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,21 @@ def _unexpected(request: Request, exc: Exception) -> Response:
                           code="internal_error")
 
 
+_HOUSEKEEPING_S = 600.0
+
+
+async def _housekeeping(store: Store) -> None:
+    """Forget expired sessions, so the table does not grow with every login ever made."""
+    while True:
+        try:
+            removed = await store.delete_expired_sessions(datetime.now(UTC))
+            if removed:
+                log.info("removed %d expired session(s)", removed)
+        except StoreError as err:
+            log.warning("could not remove expired sessions: %s", err)
+        await asyncio.sleep(_HOUSEKEEPING_S)
+
+
 def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str) -> Server:
     timeouts = Timeouts(config.nodes.unreachable_after_s, config.nodes.lost_after_s)
     policy = reconcile.Policy(
@@ -90,13 +106,14 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.http = client_session()
-        loop_task = asyncio.create_task(controller.run(), name="controller")
+        tasks = [asyncio.create_task(controller.run(), name="controller"),
+                 asyncio.create_task(_housekeeping(store), name="housekeeping")]
         try:
             yield
         finally:
-            loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop_task
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await app.state.http.close()
 
     app = Litestar(

@@ -217,7 +217,7 @@ def test_login_floods_stay_bounded(cluster):
     assert set(made_up) == {401, 429} and made_up.count(429) > 500
     assert last == 429, "the flood did not reset the attacker's count, right password or not"
     logins = cluster.status()["logins"]
-    assert logins["throttled_addresses"] <= logins["throttle_capacity"] == 400
+    assert logins["tracked_addresses"] <= logins["throttle_capacity"] == 400
 
 
 def test_the_store_holds_no_plaintext_secret(cluster):
@@ -228,3 +228,18 @@ def test_the_store_holds_no_plaintext_secret(cluster):
     assert "alice" in dump, "the dump is of the right database"
     for secret in (*PASSWORDS.values(), key, token, cluster.api_key):
         assert secret not in dump
+
+
+def test_disabling_an_account_stops_its_keys_and_sessions(cluster):
+    add_users(cluster)
+    token = login(cluster, "bob")
+    key = api(cluster, "POST", "/api/keys", token, json={"name": "k"}).json()["key"]
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "x"}]}
+    url = f"{cluster.base_url}/v1/chat/completions"
+    assert httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}).is_success
+
+    done = ctl(cluster, "users", "set", "bob", "--disable", token=cluster.admin_token)
+    assert done.returncode == 0, done.stderr
+    refused = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"})
+    assert refused.status_code == 401 and "disabled" in refused.json()["error"]["message"]
+    assert api(cluster, "GET", "/api/me", token).status_code == 401

@@ -85,7 +85,8 @@ def _throttled(request: Request) -> None:
 
 def _session_cookie(response: Response, request: Request, token: str, expires: datetime
                     ) -> Response:
-    response.set_cookie(COOKIE, token, expires=int(expires.timestamp()), httponly=True,
+    max_age = max(0, int((expires - datetime.now(UTC)).total_seconds()))
+    response.set_cookie(COOKIE, token, max_age=max_age, httponly=True,
                         samesite="strict", secure=request.url.scheme == "https", path="/")
     return response
 
@@ -100,7 +101,8 @@ async def _login(request: Request) -> tuple[AccountRecord, str, datetime]:
                                        creds.password)
     if not checked.ok:
         raise ApiError(401, "wrong username or password", code="invalid_credentials")
-    state.throttle.succeeded(client_address(request))
+    # A success does not clear the address's count: someone with an account of their own
+    # could otherwise reset it between guesses at another one.
     if checked.rehash:
         await state.store.update_account(account.id, password_hash=checked.rehash)
     token, expires = await open_session(state.store, account.id,
@@ -145,7 +147,8 @@ async def signup(request: Request) -> Response:
                        code="invite_required")
     username = _username(form.username)
     _throttled(request)
-    if await state.store.find_account(username) is not None:
+    # With invites, whether a name is taken is told only to someone holding a good invite.
+    if mode == "open" and await state.store.find_account(username) is not None:
         raise ApiError(409, f"the username {username!r} is taken", param="username",
                        code="username_taken")
     password_hash = await state.hasher.hash(form.password)
@@ -179,6 +182,7 @@ async def change_password(request: Request) -> Response:
         raise ApiError(400, "the admin token has no password to change", code="not_an_account")
     state = request.app.state
     change = await body(request, PasswordChange)
+    _throttled(request)
     account = await state.store.get_account(principal.account_id)
     if not (await state.hasher.check(account.password_hash, change.current_password)).ok:
         raise ApiError(401, "the current password is wrong", param="current_password",

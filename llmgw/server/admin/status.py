@@ -40,7 +40,7 @@ async def status(request: Request) -> dict:
         for m in controller.catalog.models
     ]
     state = request.app.state
-    logins = {"throttled_addresses": len(state.throttle),
+    logins = {"tracked_addresses": len(state.throttle),
               "throttle_capacity": state.throttle.capacity, **state.hasher.stats()}
     return {"nodes": nodes, "replicas": replicas, "models": models, "logins": logins}
 

@@ -79,6 +79,10 @@ async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord |
         return "the API key has been revoked"
     if record.expires_at is not None and record.expires_at <= now:
         return "the API key has expired"
+    if record.account_id is not None:
+        owner = await store.get_account(record.account_id)
+        if owner is None or owner.disabled_at is not None:
+            return "the account that owns this API key is disabled"
     return record
 
 

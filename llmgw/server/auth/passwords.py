@@ -24,7 +24,7 @@ MIN_TIME_COST = 2
 @dataclass(frozen=True, slots=True)
 class Checked:
     ok: bool
-    # The stored hash was made with weaker parameters than today's: store a new one.
+    # The stored hash was made with other parameters than today's: store a new one.
     rehash: str | None = None
 
 
