@@ -85,6 +85,17 @@ class Profile(_Config):
     embeddings: bool = False
     # vLLM across nodes: its own multi-process launch, or Ray on request.
     launch_mode: Literal["mp", "ray"] = "mp"
+    # A CPU engine on a CPU without AVX2 runs several times slower: a warning by default,
+    # a refusal with this set.
+    require_avx2: bool = False
+
+
+class Selector(_Config):
+    """Which nodes may run a model: every label must match; ``gpu_class`` is matched
+    against the GPU's name ("H100" matches "NVIDIA H100 80GB HBM3")."""
+
+    labels: dict[str, str] = {}
+    gpu_class: str | None = None
 
 
 class Model(_Config):
@@ -92,6 +103,9 @@ class Model(_Config):
     profiles: Annotated[list[Profile], msgspec.Meta(min_length=1)]
     replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
     description: str = ""
+    # A model that fits nowhere may evict replicas of models with a lower priority.
+    priority: int = 0
+    nodes: Selector = msgspec.field(default_factory=Selector)
 
 
 class ServerConfig(_Config):
@@ -130,6 +144,8 @@ class AgentConfig(_Config):
     fabric: str | None = None
     labels: dict[str, str] = {}
     engines: dict[str, EnginePath] = {}
+    # Engines this node must never run, even if installed (`--disable-engine` at join).
+    disable_engines: list[str] = []
     reconnect: Reconnect = msgspec.field(default_factory=Reconnect)
     # `llmgw up` stops its engines with itself; a real node keeps them serving.
     stop_shards_on_exit: bool = False

@@ -69,6 +69,9 @@ class Inventory(_Struct):
     engines_probed: bool = False
     fabric: str | None = None
     labels: dict[str, str] = {}
+    disabled_engines: list[str] = []
+    # Models whose weights are complete on this node (or on a filer it sees).
+    weights: list[str] = []
 
 
 class RunningShard(_Struct):

@@ -87,6 +87,7 @@ class Agent:
         return wire.Inventory(
             **facts, engines=engines, engines_probed=True, fabric=self.config.fabric,
             labels=dict(self.config.labels),
+            disabled_engines=sorted(self.config.disable_engines),
         )
 
     def ports_busy(self) -> list[int]:

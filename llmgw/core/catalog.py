@@ -31,6 +31,13 @@ class Profile:
     startup_timeout_s: float = 600.0
     embeddings: bool = False
     launch_mode: str = "mp"
+    require_avx2: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Selector:
+    labels: tuple[tuple[str, str], ...] = ()
+    gpu_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,8 @@ class Model:
     profiles: tuple[Profile, ...]
     replicas: int = 1
     description: str = ""
+    priority: int = 0
+    selector: Selector = Selector()
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -90,6 +99,7 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 startup_timeout_s=p.startup_timeout_s,
                 embeddings=p.embeddings,
                 launch_mode=p.launch_mode,
+                require_avx2=p.require_avx2,
             )
         )
     return Model(
@@ -97,6 +107,8 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
         profiles=tuple(profiles),
         replicas=raw.replicas,
         description=raw.description,
+        priority=raw.priority,
+        selector=Selector(tuple(sorted(raw.nodes.labels.items())), raw.nodes.gpu_class),
     )
 
 

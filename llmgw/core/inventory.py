@@ -59,6 +59,8 @@ class Node:
     labels: tuple[tuple[str, str], ...] = ()
     port_range: tuple[int, int] = (20000, 20999)
     ports_busy: frozenset[int] = frozenset()  # taken by something else on the node
+    disabled_engines: frozenset[str] = frozenset()
+    weights: frozenset[str] = frozenset()  # models whose weights the node already holds
     last_seen: float = 0.0
     connected: bool = True
 
@@ -105,5 +107,7 @@ def node_from_register(msg: wire.Register, state: NodeState, last_seen: float,
         labels=tuple(sorted(inv.labels.items())),
         port_range=tuple(msg.port_range),
         ports_busy=frozenset(msg.ports_busy if ports_busy is None else ports_busy),
+        disabled_engines=frozenset(inv.disabled_engines),
+        weights=frozenset(inv.weights),
         last_seen=last_seen,
     )

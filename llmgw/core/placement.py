@@ -1,12 +1,19 @@
 """Where a replica of a model can run, and why it cannot run anywhere else.
 
-``place`` filters nodes, keeping one reason per turned-down node (in the node's own words
-where it gave them), then picks among the survivors. A multi-node replica takes all of
-its nodes from one fabric: fabrics are not connected to each other.
+Placement filters nodes, keeping one reason per turned-down node (in the node's own words
+where it gave them), then ranks the survivors: nodes (and fabrics) that already hold the
+model's weights first, as a preference and never a filter, then binpack (fill the fullest
+node that fits) or spread. A multi-node replica takes all of its nodes from one fabric:
+fabrics are not connected to each other.
+
+Several replicas of one model are placed in one go: the nodes are filtered and ranked
+once, and only the node that took a replica is ranked again, so a pass over thousands of
+nodes stays fast.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,6 +22,10 @@ from llmgw.core.catalog import BUILTIN_ENGINES, Model, Profile
 from llmgw.core.inventory import Node, NodeState
 
 Strategy = Literal["binpack", "spread"]
+
+# Vector extensions without which a CPU engine runs several times slower.
+_FAST_CPU_FLAG = "avx2"
+_ARM_FLAGS = frozenset({"neon", "asimd"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +58,18 @@ class Placement:
     shards: tuple[ShardPlacement, ...]
     fabric: str | None = None
     rendezvous_port: int | None = None
+    warnings: tuple[str, ...] = ()
 
     def describe(self) -> str:
         nodes = "+".join(s.node_id for s in self.shards)
-        return f"placed on {nodes}" + (f" ({self.fabric})" if self.fabric else "")
+        text = f"placed on {nodes}" + (f" ({self.fabric})" if self.fabric else "")
+        return text + "".join(f"; warning: {w}" for w in self.warnings)
+
+    def ports_on(self, node_id: str) -> list[int]:
+        ports = [s.port for s in self.shards if s.node_id == node_id]
+        if self.rendezvous_port is not None and self.shards[0].node_id == node_id:
+            ports.append(self.rendezvous_port)
+        return ports
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +96,10 @@ class _Fit:
     node: Node
     gpus: tuple[int, ...]
     ports: tuple[int, ...]
-    free_gpus_after: int
+    unused_gpus: int  # GPUs left free on the node after this shard
     shards: int
+    holds_weights: bool
+    warning: str | None = None
 
 
 def _free_ports(node: Node, used: frozenset[int], count: int) -> tuple[int, ...]:
@@ -92,11 +113,21 @@ def _free_ports(node: Node, used: frozenset[int], count: int) -> tuple[int, ...]
     return tuple(found)
 
 
-def _fit(node: Node, profile: Profile, usage: NodeUsage, ports_wanted: int) -> _Fit | str:
-    """The GPUs and up to ``ports_wanted`` ports (at least one) this node would give one
-    shard, or why it cannot."""
+def static_refusal(model: Model, profile: Profile, node: Node) -> str | None:
+    """Why ``node`` can never take this profile right now, whatever else runs on it."""
     if node.state is not NodeState.READY:
         return f"not ready ({node.state.value})"
+    labels = dict(node.labels)
+    for key, value in model.selector.labels:
+        if labels.get(key) != value:
+            have = f"{key}={labels[key]}" if key in labels else f"no {key} label"
+            return f"does not match the selector {key}={value} (has {have})"
+    if model.selector.gpu_class:
+        wanted = model.selector.gpu_class.lower()
+        if not any(wanted in g.name.lower() for g in node.gpus):
+            return f"has no {model.selector.gpu_class} GPU"
+    if profile.engine in node.disabled_engines:
+        return f"{profile.engine} is disabled on this node"
     if profile.engine not in BUILTIN_ENGINES:
         engine = node.engine(profile.engine)
         if engine is None:
@@ -104,68 +135,133 @@ def _fit(node: Node, profile: Profile, usage: NodeUsage, ports_wanted: int) -> _
         if not engine.usable:
             words = engine.detail or engine.state
             return f"{profile.engine} {words}" if engine.state != "installing" else words
+    if profile.require_avx2 and _slow_cpu(node):
+        return "its CPU has no AVX2, which this profile requires"
+    return None
+
+
+def _slow_cpu(node: Node) -> bool:
+    flags = node.cpu_flags
+    return bool(flags) and _FAST_CPU_FLAG not in flags and not flags & _ARM_FLAGS
+
+
+def _fit(model: Model, profile: Profile, node: Node, usage: NodeUsage,
+         ports_wanted: int) -> _Fit | str:
+    """The GPUs and up to ``ports_wanted`` ports (at least one) this node would give one
+    shard, or why it cannot."""
+    refusal = static_refusal(model, profile, node)
+    if refusal:
+        return refusal
+    return _dynamic_fit(model, profile, node, usage, ports_wanted)
+
+
+def _dynamic_fit(model: Model, profile: Profile, node: Node, usage: NodeUsage,
+                 ports_wanted: int) -> _Fit | str:
     free = [
-        g
-        for g in node.gpus
+        g for g in node.gpus
         if g.index not in usage.gpus and g.memory_free_mib >= profile.gpu_memory_mib
     ]
     if len(free) < profile.gpus:
         need = f"{profile.gpus} GPU{'s' if profile.gpus != 1 else ''}"
         if profile.gpu_memory_mib:
-            gib = profile.gpu_memory_mib / 1024
-            need += f" with {gib:g} GiB free"
-        have = len(free)
-        return f"needs {need}, has {have}" if node.gpus else f"needs {need}, has no GPUs"
+            need += f" with {profile.gpu_memory_mib / 1024:g} GiB free"
+        return f"needs {need}, has {len(free)}" if node.gpus else f"needs {need}, has no GPUs"
     ports = _free_ports(node, usage.ports, ports_wanted)
     if not ports:
         low, high = node.port_range
         return f"no free port left in {low}-{high}"
     chosen = tuple(sorted(g.index for g in free)[: profile.gpus])
     unused_after = sum(1 for g in node.gpus if g.index not in usage.gpus) - len(chosen)
-    return _Fit(node, chosen, ports, unused_after, usage.shards)
+    warning = None
+    if not profile.gpus and _slow_cpu(node):
+        warning = f"{node.id}'s CPU has no AVX2: a CPU engine runs several times slower there"
+    return _Fit(node, chosen, ports, unused_after, usage.shards, model.name in node.weights,
+                warning)
 
 
 def _rank_key(fit: _Fit, strategy: Strategy) -> tuple:
-    # binpack fills the fullest node that fits; spread the emptiest. The id breaks ties so
-    # that a plan is the same every time for the same input.
+    # Weights already there first; then binpack fills the fullest node that fits, spread
+    # the emptiest. The id breaks ties, so a plan is the same every time for one input.
     if strategy == "binpack":
-        return (fit.free_gpus_after, -fit.shards, fit.node.id)
-    return (-fit.free_gpus_after, fit.shards, fit.node.id)
+        return (not fit.holds_weights, fit.unused_gpus, -fit.shards, fit.node.id)
+    return (not fit.holds_weights, -fit.unused_gpus, fit.shards, fit.node.id)
 
 
-def place(
-    model: Model,
-    profile: Profile,
-    nodes: Iterable[Node],
-    usage: Mapping[str, NodeUsage],
-    strategy: Strategy = "binpack",
-) -> PlacementResult:
+def place(model: Model, profile: Profile, nodes: Iterable[Node],
+          usage: Mapping[str, NodeUsage], strategy: Strategy = "binpack") -> PlacementResult:
     """Choose nodes, GPUs and ports for one new replica of ``model`` with ``profile``."""
-    multi = profile.nodes > 1
+    placements, refusals = place_many(model, profile, nodes, usage, 1, strategy)
+    return PlacementResult(placements[0] if placements else None,
+                           () if placements else refusals)
+
+
+def place_many(model: Model, profile: Profile, nodes: Iterable[Node],
+               usage: Mapping[str, NodeUsage], count: int, strategy: Strategy = "binpack"
+               ) -> tuple[list[Placement], tuple[Refusal, ...]]:
+    """Up to ``count`` replicas; the refusals say why no more could be placed. ``usage``
+    is not changed: the caller adds what it keeps."""
+    if profile.nodes > 1:
+        return _place_groups(model, profile, list(nodes), dict(usage), count, strategy)
     refusals: list[Refusal] = []
-    fits: list[_Fit] = []
+    ranked: list[tuple[tuple, _Fit]] = []
     for node in sorted(nodes, key=lambda n: n.id):
-        if multi and not node.fabric:
-            refusals.append(Refusal(node.id, "has no fabric set, needed for a multi-node replica"))
-            continue
-        # A multi-node leader also binds its group's rendezvous port: ask for two ports, and
-        # let a node with only one be a worker.
-        result = _fit(node, profile, usage.get(node.id, NodeUsage()), 2 if multi else 1)
+        result = _fit(model, profile, node, usage.get(node.id, NodeUsage()), 1)
         if isinstance(result, str):
             refusals.append(Refusal(node.id, result))
         else:
-            fits.append(result)
+            ranked.append((_rank_key(result, strategy), result))
+    ranked.sort(key=lambda pair: pair[0])
+    local = dict(usage)
+    placements: list[Placement] = []
+    while len(placements) < count and ranked:
+        _, best = ranked.pop(0)
+        node = best.node
+        shard = ShardPlacement(0, node.id, node.address, best.ports[0], best.gpus)
+        placements.append(Placement(model.name, profile.name, (shard,), node.fabric,
+                                    warnings=(best.warning,) if best.warning else ()))
+        if len(placements) == count:
+            break
+        local[node.id] = local.get(node.id, NodeUsage()).plus(best.gpus, best.ports[:1])
+        again = _dynamic_fit(model, profile, node, local[node.id], 1)
+        if isinstance(again, str):
+            refusals.append(Refusal(node.id, again))
+        else:
+            bisect.insort(ranked, (_rank_key(again, strategy), again), key=lambda p: p[0])
+    return placements, tuple(refusals)
 
-    if not multi:
-        if not fits:
-            return PlacementResult(None, tuple(refusals))
-        best = min(fits, key=lambda f: _rank_key(f, strategy))
-        shard = ShardPlacement(0, best.node.id, best.node.address, best.ports[0], best.gpus)
-        return PlacementResult(Placement(model.name, profile.name, (shard,), best.node.fabric))
 
+def _place_groups(model: Model, profile: Profile, nodes: list[Node],
+                  usage: dict[str, NodeUsage], count: int, strategy: Strategy
+                  ) -> tuple[list[Placement], tuple[Refusal, ...]]:
+    placements: list[Placement] = []
+    refusals: tuple[Refusal, ...] = ()
+    while len(placements) < count:
+        result = _place_group(model, profile, nodes, usage, strategy)
+        refusals = result.refusals
+        if result.placement is None:
+            break
+        placements.append(result.placement)
+        for shard in result.placement.shards:
+            usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
+                shard.gpus, result.placement.ports_on(shard.node_id))
+    return placements, refusals
+
+
+def _place_group(model: Model, profile: Profile, nodes: list[Node],
+                 usage: Mapping[str, NodeUsage], strategy: Strategy) -> PlacementResult:
+    refusals: list[Refusal] = []
     by_fabric: dict[str, list[_Fit]] = {}
-    for fit in fits:
-        by_fabric.setdefault(fit.node.fabric or "", []).append(fit)
+    for node in sorted(nodes, key=lambda n: n.id):
+        if not node.fabric:
+            refusals.append(Refusal(node.id, "has no fabric set, needed for a multi-node replica"))
+            continue
+        # A multi-node leader also binds its group's rendezvous port: ask for two ports,
+        # and let a node with only one be a worker.
+        result = _fit(model, profile, node, usage.get(node.id, NodeUsage()), 2)
+        if isinstance(result, str):
+            refusals.append(Refusal(node.id, result))
+        else:
+            by_fabric.setdefault(node.fabric, []).append(result)
     groups: list[tuple[tuple, str, list[_Fit]]] = []
     for fabric, members in sorted(by_fabric.items()):
         if len(members) < profile.nodes:
@@ -180,7 +276,9 @@ def place(
                                     "no node has two free ports for the group's leader"))
             continue
         chosen = [leader, *[f for f in ranked if f is not leader][: profile.nodes - 1]]
-        score = tuple(sorted(_rank_key(f, strategy) for f in chosen))
+        # A fabric that already holds the weights anywhere comes first, then the ranks.
+        holds = any(model.name in n.node.weights for n in members)
+        score = (not holds, tuple(sorted(_rank_key(f, strategy) for f in chosen)))
         groups.append((score, fabric, chosen))
     if not groups:
         return PlacementResult(None, tuple(refusals))
@@ -189,25 +287,37 @@ def place(
         ShardPlacement(rank, f.node.id, f.node.address, f.ports[0], f.gpus)
         for rank, f in enumerate(chosen)
     )
-    leader = chosen[0]
-    return PlacementResult(
-        Placement(model.name, profile.name, shards, fabric, rendezvous_port=leader.ports[1])
-    )
+    warnings = tuple(f.warning for f in chosen if f.warning)
+    return PlacementResult(Placement(model.name, profile.name, shards, fabric,
+                                     rendezvous_port=chosen[0].ports[1], warnings=warnings))
 
 
-def place_model(
-    model: Model,
-    nodes: Iterable[Node],
-    usage: Mapping[str, NodeUsage],
-    strategy: Strategy = "binpack",
-) -> PlacementResult:
-    """Try the model's profiles in the order declared; the first that fits wins."""
+def place_model(model: Model, nodes: Iterable[Node], usage: Mapping[str, NodeUsage],
+                strategy: Strategy = "binpack") -> PlacementResult:
+    """One replica, trying the model's profiles in the order declared."""
+    placements, refusals = place_replicas(model, nodes, usage, strategy, 1)
+    return PlacementResult(placements[0] if placements else None,
+                           () if placements else refusals)
+
+
+def place_replicas(model: Model, nodes: Iterable[Node], usage: Mapping[str, NodeUsage],
+                   strategy: Strategy = "binpack", count: int = 1
+                   ) -> tuple[list[Placement], tuple[Refusal, ...]]:
+    """Up to ``count`` replicas, trying the model's profiles in the order declared: each
+    profile takes what it can, the next one the rest."""
     nodes = list(nodes)
+    local = dict(usage)
+    placements: list[Placement] = []
     refusals: list[Refusal] = []
     for profile in model.profiles:
-        result = place(model, profile, nodes, usage, strategy)
-        if result.placement:
-            return result
+        if len(placements) == count:
+            break
+        got, why = place_many(model, profile, nodes, local, count - len(placements), strategy)
+        for placement in got:
+            for shard in placement.shards:
+                local[shard.node_id] = local.get(shard.node_id, NodeUsage()).plus(
+                    shard.gpus, placement.ports_on(shard.node_id))
+        placements += got
         prefix = f"[{profile.name}] " if len(model.profiles) > 1 else ""
-        refusals.extend(Refusal(r.node_id, prefix + r.reason) for r in result.refusals)
-    return PlacementResult(None, tuple(refusals))
+        refusals.extend(Refusal(r.node_id, prefix + r.reason) for r in why)
+    return placements, tuple(refusals)

@@ -10,9 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from llmgw.core.catalog import Catalog
+from llmgw.core.catalog import Catalog, Model
 from llmgw.core.inventory import Node, NodeState
-from llmgw.core.placement import NodeUsage, Placement, Strategy, place_model
+from llmgw.core.placement import (
+    NodeUsage,
+    Placement,
+    PlacementResult,
+    Strategy,
+    place_model,
+    place_replicas,
+    static_refusal,
+)
 from llmgw.core.replicas import Replica, ReplicaState
 
 
@@ -52,13 +60,22 @@ class Reap:
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """Stop a healthy replica that is no longer wanted (scale-down, model removed)."""
+    """Stop a healthy replica that is no longer wanted (scale-down, model removed, drain)."""
 
     replica: str
     reason: str
 
 
-Action = Place | Reap | Stop
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Stop a replica to make room for a model of higher priority; it is placed again
+    when room returns, and it does not count as a failure."""
+
+    replica: str
+    reason: str
+
+
+Action = Place | Reap | Stop | Evict
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +85,12 @@ class Plan:
     unplaced: Mapping[str, str] = field(default_factory=dict)
 
 
-def usage_of(replicas: Iterable[Replica]) -> dict[str, NodeUsage]:
-    """GPUs and ports held on each node by the replicas that are still alive."""
+def usage_of(replicas: Iterable[Replica], held: bool = False) -> dict[str, NodeUsage]:
+    """GPUs and ports held on each node by the replicas that are still alive (and, with
+    ``held``, by stopped ones whose shards have not yet let go)."""
     usage: dict[str, NodeUsage] = {}
     for replica in replicas:
-        if not replica.live:
+        if not replica.live and not held:
             continue
         for shard in replica.shards:
             ports = [shard.port] if shard.port is not None else []
@@ -103,9 +121,49 @@ def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: P
     return None
 
 
-def _stop_order(replica: Replica) -> tuple:
-    # Least valuable first: not ready before ready, then the youngest.
-    return (replica.state is ReplicaState.READY, -replica.created_at)
+def _stop_order(replica: Replica, load: Mapping[str, int]) -> tuple:
+    # Least valuable first: not ready before ready, then the fewest requests in flight,
+    # then the youngest.
+    return (replica.state is ReplicaState.READY, load.get(replica.id, 0), -replica.created_at,
+            replica.id)
+
+
+def _eviction(model: Model, alive: list[Replica], catalog: Catalog, nodes: list[Node],
+              usage: Mapping[str, NodeUsage], policy: Policy) -> list[Replica] | None:
+    """The fewest, lowest-priority replicas whose room would let one replica of ``model``
+    fit, or None. Only replicas on nodes that could take ``model`` at all are candidates."""
+    eligible = {n.id for n in nodes
+                if any(static_refusal(model, p, n) is None for p in model.profiles)}
+
+    def priority(r: Replica) -> int:
+        return catalog.get(r.model).priority
+
+    victims = sorted(
+        (r for r in alive if priority(r) < model.priority
+         and any(s.node_id in eligible for s in r.shards)),
+        key=lambda r: (priority(r), r.state is ReplicaState.READY, len(r.shards),
+                       -r.created_at, r.id))
+    if not victims:
+        return None
+
+    def fits(without: list[Replica]) -> bool:
+        gone = {r.id for r in without}
+        room = usage_of(r for r in alive if r.id not in gone)
+        return place_model(model, nodes, room, policy.strategy).placement is not None
+
+    for victim in victims:
+        if fits([victim]):
+            return [victim]
+    chosen: list[Replica] = []
+    for victim in victims:
+        chosen.append(victim)
+        if fits(chosen):
+            # Drop any that turned out not to be needed, most valuable first.
+            for extra in sorted(chosen, key=lambda r: -priority(r)):
+                if len(chosen) > 1 and fits([r for r in chosen if r is not extra]):
+                    chosen.remove(extra)
+            return chosen
+    return None
 
 
 def plan(
@@ -115,14 +173,20 @@ def plan(
     backoffs: Mapping[str, Backoff],
     now: float,
     policy: Policy = Policy(),
+    load: Mapping[str, int] | None = None,
+    held: Iterable[Replica] = (),
 ) -> Plan:
+    """``load``: requests in flight per replica id. ``held``: replicas being stopped whose
+    GPUs and ports are not free yet."""
+    nodes = list(nodes)
     nodes_by_id = {n.id: n for n in nodes}
     replicas = list(replicas)
+    load = load or {}
     actions: list[Action] = []
     unplaced: dict[str, str] = {}
     gone: set[str] = set()
     # A model whose replica failed this pass waits for the next one, which sees the backoff
-    # the controller records for the failure (and the stopped shard's GPUs and ports free).
+    # the controller records for the failure.
     failed_now: set[str] = set()
 
     for replica in replicas:
@@ -139,12 +203,25 @@ def plan(
             failed_now.add(replica.model)
 
     alive = [r for r in replicas if r.id not in gone and r.live]
-    usage = usage_of(alive)
-    for model in catalog.models:
+    usage = usage_of([*alive, *held], held=True)
+
+    def draining(r: Replica) -> str | None:
+        return next((s.node_id for s in r.shards if nodes_by_id.get(s.node_id) is not None
+                     and nodes_by_id[s.node_id].state is NodeState.DRAINING), None)
+
+    # The most important models first: they get the room, and may make some.
+    for model in sorted(catalog.models, key=lambda m: (-m.priority, m.name)):
         mine = [r for r in alive if r.model == model.name]
-        surplus = len(mine) - model.replicas
+        staying = [r for r in mine if draining(r) is None]
+        ready_staying = sum(1 for r in staying if r.state is ReplicaState.READY)
+        # A replica on a draining node stops once enough others serve without it.
+        for replica in mine:
+            if draining(replica) and ready_staying >= model.replicas:
+                actions.append(Stop(replica.id, f"node {draining(replica)} is draining"))
+        surplus = len(staying) - model.replicas
         if surplus > 0:
-            for replica in sorted(mine, key=_stop_order)[:surplus]:
+            order = sorted(staying, key=lambda r: _stop_order(r, load))
+            for replica in order[:surplus]:
                 actions.append(Stop(replica.id, f"scaled down to {model.replicas}"))
             continue
         wanted = -surplus
@@ -161,19 +238,26 @@ def plan(
                 f"{backoff.not_before - now:.0f} s"
             )
             continue
-        for _ in range(wanted):
-            result = place_model(model, nodes_by_id.values(), usage, policy.strategy)
-            if result.placement is None:
-                unplaced[model.name] = result.describe()
-                break
-            actions.append(Place(result.placement))
-            for shard in result.placement.shards:
-                ports = [shard.port]
-                if shard.rank == 0 and result.placement.rendezvous_port is not None:
-                    ports.append(result.placement.rendezvous_port)
+        placements, refusals = place_replicas(model, nodes, usage, policy.strategy, wanted)
+        for placement in placements:
+            actions.append(Place(placement))
+            for shard in placement.shards:
                 usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
-                    shard.gpus, ports
-                )
+                    shard.gpus, placement.ports_on(shard.node_id))
+        if len(placements) == wanted:
+            continue
+        victims = _eviction(model, [r for r in alive if r.id not in gone], catalog, nodes,
+                            usage, policy) if model.priority else None
+        if victims:
+            # The room is taken next pass, once the victims' shards have stopped.
+            for victim in victims:
+                lower = catalog.get(victim.model).priority
+                actions.append(Evict(victim.id, f"evicted for {model.name} (priority "
+                                     f"{model.priority} over {lower})"))
+                gone.add(victim.id)
+            unplaced[model.name] = "making room: " + ", ".join(v.id for v in victims)
+            continue
+        unplaced[model.name] = PlacementResult(None, refusals).describe()
     return Plan(tuple(actions), unplaced)
 
 

@@ -97,6 +97,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                             heartbeat_interval_s=config.nodes.heartbeat_interval_s)
     router = Router()
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
+    controller.load = router.in_flight
     auth = config.auth
     throttle = LoginThrottle(auth.login_attempts, auth.login_window_s,
                              auth.login_throttle_capacity)
@@ -106,6 +107,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.http = client_session()
+        await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping")]
         try:

@@ -24,12 +24,24 @@ from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import NodeState
 from llmgw.core.names import replica_id
-from llmgw.core.replicas import Replica, Shard, adopt, apply_status, fail, new_replica
+from llmgw.core.replicas import (
+    Replica,
+    ReplicaState,
+    Shard,
+    adopt,
+    apply_status,
+    fail,
+    new_replica,
+)
 from llmgw.engines.base import hostport
 from llmgw.server.agents.sessions import NodeSession, NodeSessions
 from llmgw.store import NodeRecord, Store
 
 log = logging.getLogger(__name__)
+
+# How long a stopping replica's GPUs and ports stay taken if its node never confirms.
+_RELEASE_DEADLINE_S = 30.0
+DRAINING_SETTING = "draining_nodes"
 
 
 class Controller:
@@ -44,6 +56,10 @@ class Controller:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
+        # Replicas being stopped: their GPUs and ports stay taken until the shards let go.
+        self.releasing: dict[str, tuple[Replica, float]] = {}
+        # Requests in flight per replica, for choosing which replica to scale down.
+        self.load: Callable[[], dict[str, int]] = dict
         self.backoffs: dict[str, reconcile.Backoff] = {}
         self.unplaced: dict[str, str] = {}
         self._wake = asyncio.Event()
@@ -76,8 +92,10 @@ class Controller:
                 await self.store.set_node_state(node_id, new.value, _utc(now))
             self.backoffs = reconcile.settle_backoffs(
                 self.backoffs, self.replicas.values(), now, self.policy)
+            self._let_go(now)
             plan = reconcile.plan(self.catalog, self.sessions.nodes(), self.replicas.values(),
-                                  self.backoffs, now, self.policy)
+                                  self.backoffs, now, self.policy, load=self.load(),
+                                  held=[r for r, _ in self.releasing.values()])
             for action in plan.actions:
                 await self._apply(action, now)
             self.unplaced = dict(plan.unplaced)
@@ -92,11 +110,16 @@ class Controller:
             log.warning("replica %s of %s failed: %s", replica.id, replica.model, action.reason)
             self.backoffs[replica.model] = reconcile.after_failure(
                 self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
-            self._stop_shards(replica, action.reason)
+            self._stop_shards(replica, action.reason, now)
+        elif isinstance(action, reconcile.Evict):
+            replica = self.replicas.pop(action.replica)
+            log.warning("preempting replica %s of %s: %s", replica.id, replica.model,
+                        action.reason)
+            self._stop_shards(replica, action.reason, now)
         elif isinstance(action, reconcile.Stop):
             replica = self.replicas.pop(action.replica)
             log.info("stopping replica %s of %s: %s", replica.id, replica.model, action.reason)
-            self._stop_shards(replica, action.reason)
+            self._stop_shards(replica, action.reason, now)
 
     async def _place(self, action: reconcile.Place, now: float) -> None:
         placement = action.placement
@@ -125,12 +148,25 @@ class Controller:
                     self.replicas[replica.id], f"node {shard.node_id} disconnected before start")
                 self.wake()
 
-    def _stop_shards(self, replica: Replica, reason: str) -> None:
+    def _stop_shards(self, replica: Replica, reason: str, now: float) -> None:
+        """Ask every live shard to stop, and hold the replica's GPUs and ports until they
+        say they have (or a deadline passes), so nothing new is placed onto them early."""
+        stopping = False
         for shard in replica.shards:
             if shard.state in ("failed", "stopped"):
                 continue
-            self.sessions.send(shard.node_id, wire.StopShard(
-                replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason))
+            if self.sessions.send(shard.node_id, wire.StopShard(
+                    replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason)):
+                stopping = True
+        if stopping:
+            held = replace(replica, state=ReplicaState.STOPPED, reason=reason)
+            self.releasing[replica.id] = (held, now + _RELEASE_DEADLINE_S)
+
+    def _let_go(self, now: float) -> None:
+        for rid, (replica, deadline) in list(self.releasing.items()):
+            done = all(s.state in ("failed", "stopped") for s in replica.shards)
+            if done or now >= deadline:
+                del self.releasing[rid]
 
     # --- events from the stream ------------------------------------------------------------
 
@@ -181,6 +217,14 @@ class Controller:
                 shard=shard, now=now)
 
     def shard_status(self, node_id: str, msg: wire.ShardStatus, now: float) -> None:
+        releasing = self.releasing.get(msg.replica)
+        if releasing is not None and msg.state in ("stopped", "failed"):
+            replica, deadline = releasing
+            shards = tuple(replace(s, state="stopped") if s.rank == msg.rank else s
+                           for s in replica.shards)
+            self.releasing[msg.replica] = (replace(replica, shards=shards), deadline)
+            self.wake()
+            return
         replica = self.replicas.get(msg.replica)
         if replica is None:
             return
@@ -202,6 +246,18 @@ class Controller:
                             "\n".join(msg.output_tail[-10:]))
             self._changed()
             self.wake()
+
+    async def load_draining(self) -> None:
+        for node_id in await self.store.get_setting(DRAINING_SETTING, []):
+            self.sessions.set_draining(node_id, True)
+
+    async def set_draining(self, node_id: str, draining: bool) -> None:
+        """An operator drains a node: its replicas move elsewhere, each stopping once its
+        replacement serves; nothing new is placed there until it is undrained."""
+        self.sessions.set_draining(node_id, draining)
+        await self.store.put_setting(DRAINING_SETTING, sorted(self.sessions.draining))
+        log.info("node %s: %s", node_id, "draining" if draining else "undrained")
+        self.wake()
 
     def node_disconnected(self, node_id: str, connection: int) -> None:
         self.sessions.detach(node_id, connection)

@@ -240,14 +240,34 @@ def test_shard_on_a_lost_node_is_reaped_naming_the_node(nodes: str) -> None:
     assert of_type(result, Reap) == [Reap("m-e1", "node node02 is lost")]
 
 
-@pytest.mark.parametrize("state", [NodeState.UNREACHABLE, NodeState.DRAINING])
-def test_a_replica_on_an_unreachable_node_is_left_alone(state: NodeState) -> None:
+def test_a_replica_on_an_unreachable_node_is_left_alone() -> None:
     ready = replica("m-e1", ("node01", (0,), 20000))
+    node = h100_8x80g("node01", state=NodeState.UNREACHABLE)
 
-    result = plan(catalog(model()), [h100_8x80g("node01", state=state)], [ready], {}, NOW)
+    result = plan(catalog(model()), [node], [ready], {}, NOW)
 
     assert result.actions == ()
     assert result.unplaced == {}
+
+
+def test_a_replica_on_a_draining_node_serves_until_a_replacement_does() -> None:
+    ready = replica("m-e1", ("node01", (0,), 20000))
+    draining = h100_8x80g("node01", state=NodeState.DRAINING)
+
+    alone = plan(catalog(model()), [draining], [ready], {}, NOW)
+    assert alone.actions == (), "nowhere else to go: it keeps serving"
+    assert alone.unplaced == {"m": "node01: not ready (draining)"}
+
+    moved = plan(catalog(model()), [draining, h100_8x80g("node02")], [ready], {}, NOW)
+    [place] = of_type(moved, Place)
+    assert place.placement.shards[0].node_id == "node02"
+    assert of_type(moved, Stop) == [], "not stopped before its replacement is ready"
+
+    replacement = replica("m-e2", ("node02", (0,), 20000))
+    done = plan(catalog(model()), [draining, h100_8x80g("node02")], [ready, replacement], {},
+                NOW)
+    assert of_type(done, Stop) == [Stop("m-e1", "node node01 is draining")]
+    assert of_type(done, Place) == []
 
 
 def test_adopted_replica_missing_a_rank_is_reaped_after_the_grace_period() -> None:

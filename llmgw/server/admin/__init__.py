@@ -1,5 +1,5 @@
 """``/api``: the admin API: cluster status, accounts, sessions and API keys."""
 
-from llmgw.server.admin import accounts, keys, status
+from llmgw.server.admin import accounts, keys, nodes, status
 
-ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES]
+ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES]

@@ -5,24 +5,14 @@ from __future__ import annotations
 from litestar import Request, get
 
 from llmgw.server.admin.common import require
+from llmgw.server.admin.nodes import node_json
 
 
 @get("/api/status")
 async def status(request: Request) -> dict:
     await require(request, admin=True)
     controller = request.app.state.controller
-    nodes = []
-    for session in controller.sessions.all():
-        inv = session.register.inventory
-        nodes.append({
-            "id": session.node_id,
-            "address": session.register.address,
-            "state": session.state.value,
-            "gpus": len(inv.gpus),
-            "engines": [{"name": e.name, "version": e.version, "state": e.state,
-                         "detail": e.detail} for e in inv.engines],
-            "fabric": inv.fabric,
-        })
+    nodes = [node_json(s, controller.replicas.values()) for s in controller.sessions.all()]
     replicas = [
         {
             "id": r.id, "model": r.model, "profile": r.profile, "epoch": r.epoch,
@@ -32,8 +22,16 @@ async def status(request: Request) -> dict:
         }
         for r in sorted(controller.replicas.values(), key=lambda r: r.id)
     ]
+    sessions = controller.sessions.all()
+
+    def fabrics_holding(model: str) -> list[str]:
+        # Per fabric: weights in one fabric are no use in another without a slow copy.
+        return sorted({s.register.inventory.fabric for s in sessions
+                       if model in s.register.inventory.weights and s.register.inventory.fabric})
+
     models = [
-        {"name": m.name, "replicas_wanted": m.replicas,
+        {"name": m.name, "replicas_wanted": m.replicas, "priority": m.priority,
+         "weights_in_fabrics": fabrics_holding(m.name),
          "replicas_ready": sum(1 for r in controller.replicas.values()
                                if r.model == m.name and r.state.value == "ready"),
          "unplaced": controller.unplaced.get(m.name)}

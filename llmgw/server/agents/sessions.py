@@ -34,6 +34,9 @@ class NodeSessions:
         self.timeouts = timeouts
         self._sessions: dict[str, NodeSession] = {}
         self._connections = 0
+        # Nodes an operator asked to drain, kept across reconnections (and, by the caller,
+        # in the store across restarts).
+        self.draining: set[str] = set()
 
     def attach(self, msg: wire.Register, now: float) -> tuple[NodeSession, int]:
         """A node registered on a new stream. Returns its session and this connection's
@@ -41,8 +44,10 @@ class NodeSessions:
         self._connections += 1
         session = self._sessions.get(msg.node_id)
         outbox: asyncio.Queue[wire.Down] = asyncio.Queue()
+        draining = msg.node_id in self.draining
         if session is None:
-            session = NodeSession(msg.node_id, msg, NodeLiveness(last_seen=now), outbox)
+            session = NodeSession(msg.node_id, msg,
+                                  NodeLiveness(last_seen=now, draining=draining), outbox)
             self._sessions[msg.node_id] = session
         else:
             if session.outbox is not None:
@@ -50,7 +55,7 @@ class NodeSessions:
                 session.outbox.put_nowait(_CLOSE)
             session.register = msg
             session.last_heartbeat = None
-            session.live = NodeLiveness(last_seen=now, draining=session.live.draining)
+            session.live = NodeLiveness(last_seen=now, draining=draining)
             session.outbox = outbox
         session.connection = self._connections
         return session, self._connections
@@ -60,6 +65,12 @@ class NodeSessions:
         if session is not None and session.connection == connection:
             session.live.connected = False
             session.outbox = None
+
+    def set_draining(self, node_id: str, draining: bool) -> None:
+        (self.draining.add if draining else self.draining.discard)(node_id)
+        session = self._sessions.get(node_id)
+        if session is not None:
+            session.live.draining = draining
 
     def seen(self, node_id: str, now: float) -> None:
         session = self._sessions.get(node_id)

@@ -37,5 +37,8 @@ class Router:
         """Ready replicas of ``model``, least busy first."""
         return sorted(self._routes.get(model, ()), key=lambda e: e.in_flight)
 
+    def in_flight(self) -> dict[str, int]:
+        return {e.replica: e.in_flight for eps in self._routes.values() for e in eps}
+
     def models(self) -> list[str]:
         return sorted(self._routes)
