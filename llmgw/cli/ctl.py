@@ -194,6 +194,57 @@ def signup(args):
     _done(args, reply, f"signup: {reply['signup']}")
 
 
+def nodes_list(args):
+    nodes = call(args, "GET", "/api/nodes")
+    if args.json:
+        _print(args, nodes)
+        return
+    rows = []
+    for n in nodes:
+        engines = ", ".join(f"{e['name']} {e['state']}" + (f" ({e['detail']})" if e['detail']
+                            and e['state'] not in ("installed", "configured") else "")
+                            for e in n["engines"])
+        rows.append({"node": n["id"], "state": n["state"], "address": n["address"],
+                     "fabric": n["fabric"], "gpus": len(n["gpus"]), "engines": engines,
+                     "replicas": ", ".join(n["replicas"]), "warnings": "; ".join(n["warnings"])})
+    _print(args, rows, ["node", "state", "address", "fabric", "gpus", "engines", "replicas",
+                        "warnings"], "nodes")
+
+
+def nodes_drain(args):
+    reply = call(args, "POST", f"/api/nodes/{args.node}/drain", {})
+    _done(args, reply, f"{args.node} is draining: its replicas move, each stopping once its "
+                       "replacement serves")
+
+
+def nodes_undrain(args):
+    reply = call(args, "POST", f"/api/nodes/{args.node}/undrain", {})
+    _done(args, reply, f"{args.node} takes replicas again")
+
+
+def status(args):
+    reply = call(args, "GET", "/api/status")
+    if args.json:
+        _print(args, reply)
+        return
+    console = Console(highlight=False)
+    models = Table(title="models", title_justify="left")
+    for column in ("model", "ready", "wanted", "priority", "weights in", "why not all"):
+        models.add_column(column)
+    for m in reply["models"]:
+        models.add_row(m["name"], str(m["replicas_ready"]), str(m["replicas_wanted"]),
+                       str(m["priority"]), ", ".join(m["weights_in_fabrics"]) or "-",
+                       m["unplaced"] or "")
+    console.print(models)
+    replicas = Table(title="replicas", title_justify="left")
+    for column in ("replica", "model", "state", "where", "reason"):
+        replicas.add_column(column)
+    for r in reply["replicas"]:
+        where = "+".join(f"{s['node']}:{s['port']}" for s in r["shards"])
+        replicas.add_row(r["id"], r["model"], r["state"], where, r["reason"])
+    console.print(replicas)
+
+
 def add_parsers(ctl) -> None:
     """The account and key commands, under an existing ``llmgw ctl`` parser."""
     common = argparse.ArgumentParser(add_help=False)
@@ -239,6 +290,15 @@ def add_parsers(ctl) -> None:
     p.add_argument("--enable", action="store_true")
     p.add_argument("--password", action="store_true", help="ask for a new password")
     p.add_argument("--password-stdin", action="store_true")
+
+    command(ctl, "status", status, "models, their replicas and where they run")
+    nodes = ctl.add_parser("nodes", help="nodes (admins)").add_subparsers(
+        dest="nodes_command", metavar="COMMAND", required=True)
+    command(nodes, "list", nodes_list, "each node: state, address, GPUs, engines, warnings")
+    p = command(nodes, "drain", nodes_drain, "move a node's replicas away, for maintenance")
+    p.add_argument("node")
+    p = command(nodes, "undrain", nodes_undrain, "let a drained node take replicas again")
+    p.add_argument("node")
 
     invites = ctl.add_parser("invites", help="signup invites (admins)").add_subparsers(
         dest="invites_command", metavar="COMMAND", required=True)
