@@ -164,7 +164,7 @@ def _dynamic_fit(model: Model, profile: Profile, node: Node, usage: NodeUsage,
     if len(free) < profile.gpus:
         need = f"{profile.gpus} GPU{'s' if profile.gpus != 1 else ''}"
         if profile.gpu_memory_mib:
-            need += f" with {profile.gpu_memory_mib / 1024:g} GiB free"
+            need += f" with {round(profile.gpu_memory_mib / 1024, 1):g} GiB free"
         return f"needs {need}, has {len(free)}" if node.gpus else f"needs {need}, has no GPUs"
     ports = _free_ports(node, usage.ports, ports_wanted)
     if not ports:
