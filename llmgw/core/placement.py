@@ -233,63 +233,72 @@ def place_many(model: Model, profile: Profile, nodes: Iterable[Node],
 def _place_groups(model: Model, profile: Profile, nodes: list[Node],
                   usage: dict[str, NodeUsage], count: int, strategy: Strategy
                   ) -> tuple[list[Placement], tuple[Refusal, ...]]:
-    placements: list[Placement] = []
-    refusals: tuple[Refusal, ...] = ()
-    while len(placements) < count:
-        result = _place_group(model, profile, nodes, usage, strategy)
-        refusals = result.refusals
-        if result.placement is None:
-            break
-        placements.append(result.placement)
-        for shard in result.placement.shards:
-            usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
-                shard.gpus, result.placement.ports_on(shard.node_id))
-    return placements, refusals
-
-
-def _place_group(model: Model, profile: Profile, nodes: list[Node],
-                 usage: Mapping[str, NodeUsage], strategy: Strategy) -> PlacementResult:
-    refusals: list[Refusal] = []
-    by_fabric: dict[str, list[_Fit]] = {}
+    """Multi-node replicas, one fabric each. The nodes are fitted and ranked once per
+    fabric; after each replica only the nodes it took are fitted again."""
+    refusals: dict[str, str] = {}
+    ranked: dict[str, list[tuple[tuple, _Fit]]] = {}
     for node in sorted(nodes, key=lambda n: n.id):
         if not node.fabric:
-            refusals.append(Refusal(node.id, "has no fabric set, needed for a multi-node replica"))
+            refusals[node.id] = "has no fabric set, needed for a multi-node replica"
             continue
         # A multi-node leader also binds its group's rendezvous port: ask for two ports,
         # and let a node with only one be a worker.
-        result = _fit(model, profile, node, usage.get(node.id, NodeUsage()), 2)
-        if isinstance(result, str):
-            refusals.append(Refusal(node.id, result))
+        fit = _fit(model, profile, node, usage.get(node.id, NodeUsage()), 2)
+        if isinstance(fit, str):
+            refusals[node.id] = fit
         else:
-            by_fabric.setdefault(node.fabric, []).append(result)
-    groups: list[tuple[tuple, str, list[_Fit]]] = []
-    for fabric, members in sorted(by_fabric.items()):
-        if len(members) < profile.nodes:
-            refusals.append(
-                Refusal(f"fabric {fabric}", f"has {len(members)} of {profile.nodes} nodes that fit")
-            )
-            continue
-        ranked = sorted(members, key=lambda f: _rank_key(f, strategy))
-        leader = next((f for f in ranked if len(f.ports) >= 2), None)
-        if leader is None:
-            refusals.append(Refusal(f"fabric {fabric}",
-                                    "no node has two free ports for the group's leader"))
-            continue
-        chosen = [leader, *[f for f in ranked if f is not leader][: profile.nodes - 1]]
-        # A fabric that already holds the weights anywhere comes first, then the ranks.
-        holds = any(model.name in n.node.weights for n in members)
-        score = (not holds, tuple(sorted(_rank_key(f, strategy) for f in chosen)))
-        groups.append((score, fabric, chosen))
-    if not groups:
-        return PlacementResult(None, tuple(refusals))
-    _, fabric, chosen = min(groups)
-    shards = tuple(
-        ShardPlacement(rank, f.node.id, f.node.address, f.ports[0], f.gpus)
-        for rank, f in enumerate(chosen)
-    )
-    warnings = tuple(f.warning for f in chosen if f.warning)
-    return PlacementResult(Placement(model.name, profile.name, shards, fabric,
-                                     rendezvous_port=chosen[0].ports[1], warnings=warnings))
+            ranked.setdefault(node.fabric, []).append((_rank_key(fit, strategy), fit))
+    for members in ranked.values():
+        members.sort(key=lambda pair: pair[0])
+    # A fabric holds the weights if any node in it does, full or not: one shared filer or
+    # the nodes already serving the model count the same.
+    holding = {n.fabric for n in nodes if n.fabric and model.name in n.weights}
+    placements: list[Placement] = []
+    fabric_refusals: dict[str, str] = {}
+    while len(placements) < count:
+        fabric_refusals = {}
+        groups: list[tuple[tuple, str, list[_Fit]]] = []
+        for fabric, members in sorted(ranked.items()):
+            if len(members) < profile.nodes:
+                fabric_refusals[f"fabric {fabric}"] = (
+                    f"has {len(members)} of {profile.nodes} nodes that fit")
+                continue
+            leader = next((f for _, f in members if len(f.ports) >= 2), None)
+            if leader is None:
+                fabric_refusals[f"fabric {fabric}"] = (
+                    "no node has two free ports for the group's leader")
+                continue
+            workers = [f for _, f in members if f is not leader][: profile.nodes - 1]
+            chosen = [leader, *workers]
+            # A fabric that already holds the weights comes first, then the ranks.
+            score = (fabric not in holding,
+                     tuple(sorted(_rank_key(f, strategy) for f in chosen)))
+            groups.append((score, fabric, chosen))
+        if not groups:
+            break
+        _, fabric, chosen = min(groups)
+        shards = tuple(ShardPlacement(rank, f.node.id, f.node.address, f.ports[0], f.gpus)
+                       for rank, f in enumerate(chosen))
+        placement = Placement(model.name, profile.name, shards, fabric,
+                              rendezvous_port=chosen[0].ports[1],
+                              warnings=tuple(f.warning for f in chosen if f.warning))
+        placements.append(placement)
+        taken = {f.node.id for f in chosen}
+        members = [pair for pair in ranked[fabric] if pair[1].node.id not in taken]
+        for f in chosen:
+            node = f.node
+            usage[node.id] = usage.get(node.id, NodeUsage()).plus(
+                f.gpus, placement.ports_on(node.id))
+            again = _dynamic_fit(model, profile, node, usage[node.id], 2)
+            if isinstance(again, str):
+                refusals[node.id] = again
+            else:
+                bisect.insort(members, (_rank_key(again, strategy), again),
+                              key=lambda pair: pair[0])
+        ranked[fabric] = members
+    why = [Refusal(n, r) for n, r in refusals.items()]
+    why += [Refusal(n, r) for n, r in fabric_refusals.items()]
+    return placements, tuple(why)
 
 
 def place_model(model: Model, nodes: Iterable[Node], usage: Mapping[str, NodeUsage],

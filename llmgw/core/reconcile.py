@@ -147,8 +147,9 @@ def _eviction(model: Model, alive: list[Replica], catalog: Catalog, nodes: list[
         return None
 
     def fits(without: list[Replica]) -> bool:
-        gone = {r.id for r in without}
-        room = usage_of(r for r in alive if r.id not in gone)
+        # The room as this pass sees it (placements made, stopping replicas held), less
+        # what the victims hold.
+        room = _minus(usage, without)
         return place_model(model, nodes, room, policy.strategy).placement is not None
 
     for victim in victims:
@@ -164,6 +165,16 @@ def _eviction(model: Model, alive: list[Replica], catalog: Catalog, nodes: list[
                     chosen.remove(extra)
             return chosen
     return None
+
+
+def _minus(usage: Mapping[str, NodeUsage], replicas: Iterable[Replica]
+           ) -> dict[str, NodeUsage]:
+    room = dict(usage)
+    for node_id, freed in usage_of(replicas).items():
+        have = room.get(node_id, NodeUsage())
+        room[node_id] = NodeUsage(have.gpus - freed.gpus, have.ports - freed.ports,
+                                  max(0, have.shards - freed.shards))
+    return room
 
 
 def plan(
@@ -188,6 +199,7 @@ def plan(
     # A model whose replica failed this pass waits for the next one, which sees the backoff
     # the controller records for the failure.
     failed_now: set[str] = set()
+    evicted_from: set[str] = set()
 
     for replica in replicas:
         model = catalog.get(replica.model)
@@ -203,7 +215,10 @@ def plan(
             failed_now.add(replica.model)
 
     alive = [r for r in replicas if r.id not in gone and r.live]
-    usage = usage_of([*alive, *held], held=True)
+    # What is stopped or reaped in this pass still runs until its shards let go: its room
+    # is not free in this pass either.
+    stopping_now = [r for r in replicas if r.id in gone]
+    usage = usage_of([*alive, *held, *stopping_now], held=True)
 
     def draining(r: Replica) -> str | None:
         return next((s.node_id for s in r.shards if nodes_by_id.get(s.node_id) is not None
@@ -211,7 +226,8 @@ def plan(
 
     # The most important models first: they get the room, and may make some.
     for model in sorted(catalog.models, key=lambda m: (-m.priority, m.name)):
-        mine = [r for r in alive if r.model == model.name]
+        # Not those evicted earlier in this pass by a model of higher priority.
+        mine = [r for r in alive if r.model == model.name and r.id not in gone]
         staying = [r for r in mine if draining(r) is None]
         ready_staying = sum(1 for r in staying if r.state is ReplicaState.READY)
         # A replica on a draining node stops once enough others serve without it.
@@ -246,8 +262,10 @@ def plan(
                     shard.gpus, placement.ports_on(shard.node_id))
         if len(placements) == wanted:
             continue
-        victims = _eviction(model, [r for r in alive if r.id not in gone], catalog, nodes,
-                            usage, policy) if model.priority else None
+        # A model that just lost a replica to eviction does not evict in turn in the
+        # same pass: a cascade, if any, happens one logged pass at a time.
+        victims = None if model.name in evicted_from else _eviction(
+            model, [r for r in alive if r.id not in gone], catalog, nodes, usage, policy)
         if victims:
             # The room is taken next pass, once the victims' shards have stopped.
             for victim in victims:
@@ -255,6 +273,7 @@ def plan(
                 actions.append(Evict(victim.id, f"evicted for {model.name} (priority "
                                      f"{model.priority} over {lower})"))
                 gone.add(victim.id)
+                evicted_from.add(victim.model)
             unplaced[model.name] = "making room: " + ", ".join(v.id for v in victims)
             continue
         unplaced[model.name] = PlacementResult(None, refusals).describe()

@@ -7,6 +7,8 @@ Figures are what NVML and /proc/cpuinfo report on such machines: an H100 80GB HB
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llmgw.core.inventory import EngineStatus, Gpu, Node, NodeState
 
 H100_NAME = "NVIDIA H100 80GB HBM3"
@@ -110,3 +112,60 @@ def two_fabrics_of_four() -> list[Node]:
     return [
         h100_8x80g(f"node{i:02d}", "ib-a" if i <= 4 else "ib-b") for i in range(1, 9)
     ]
+
+
+# --- Arm CPUs: /proc/cpuinfo lists asimd (aarch64) or neon (32-bit), never avx2 -------------
+
+_ARM_V8 = frozenset(
+    {"fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp",
+     "asimdhp", "cpuid", "asimdrdm", "jscvt", "fcma", "lrcpc", "dcpop", "sha3", "asimddp",
+     "sha512", "sve", "asimdfhm", "i8mm", "bf16"}
+)
+_ARM_V7 = frozenset(
+    {"half", "thumb", "fastmult", "vfp", "edsp", "neon", "vfpv3", "tls", "vfpv4", "idiva",
+     "idivt", "vfpd32", "lpae", "evtstrm", "crc32"}
+)
+
+
+def graviton3(id: str, *, state: NodeState = NodeState.READY) -> Node:
+    """An AWS Graviton3 (Neoverse V1) CPU-only server; llama.cpp is installed."""
+    return Node(
+        id=id,
+        address=address_of(id),
+        state=state,
+        engines=(LLAMA,),
+        cpu_flags=_ARM_V8,
+        ram_total_mib=128_270,
+    )
+
+
+def raspberry_pi_32bit(id: str, *, state: NodeState = NodeState.READY) -> Node:
+    """A Raspberry Pi 4 on a 32-bit OS: reports neon rather than asimd; llama.cpp is
+    installed."""
+    return Node(
+        id=id,
+        address=address_of(id),
+        state=state,
+        engines=(LLAMA,),
+        cpu_flags=_ARM_V7,
+        ram_total_mib=7_812,
+    )
+
+
+# --- what an operator or the node adds to a shape --------------------------------------------
+
+
+def labelled(node: Node, **labels: str) -> Node:
+    """The node with these labels added (an agent's `labels:` setting)."""
+    merged = {**dict(node.labels), **labels}
+    return replace(node, labels=tuple(sorted(merged.items())))
+
+
+def holding(node: Node, *models: str) -> Node:
+    """The node reporting that it already holds these models' weights."""
+    return replace(node, weights=node.weights | frozenset(models))
+
+
+def disabling(node: Node, *engines: str) -> Node:
+    """The node with these engines turned off (an agent's `disable_engines:` setting)."""
+    return replace(node, disabled_engines=node.disabled_engines | frozenset(engines))
