@@ -92,8 +92,9 @@ class Agent:
 
     def ports_busy(self) -> list[int]:
         """Ports in our range that something other than our shards listens on."""
-        ours = {s.port for s in self.supervisor.running() if s.port is not None}
-        return sorted(host.listening_ports(*self.config.port_range) - ours)
+        # A shard still stopping holds its port, but as ours: the control plane already
+        # counts it as taken until the stop is confirmed.
+        return sorted(host.listening_ports(*self.config.port_range) - self.supervisor.own_ports())
 
     def register(self) -> wire.Register:
         return wire.Register(

@@ -40,6 +40,7 @@ class ShardSupervisor:
         self._records: dict[str, ShardRecord] = {}
         self._states: dict[str, wire.ShardState] = {}
         self._stopping: set[str] = set()
+        self._stopping_records: dict[str, ShardRecord] = {}
         self._background: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
 
@@ -207,9 +208,16 @@ class ShardSupervisor:
                                   output_tail=tail))
         self._spawn(self._runtime.stop(record.unit))
 
+    def own_ports(self) -> set[int]:
+        """Ports our shards hold, those still stopping included."""
+        records = [*self._records.values(), *self._stopping_records.values()]
+        return {r.port for r in records if r.port is not None}
+
     async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:
         self._stopping.add(unit)
         record = self._records.pop(unit, None)
+        if record is not None:
+            self._stopping_records[unit] = record
         task = self._tasks.pop(unit, None)
         try:
             if task is not None:
@@ -219,6 +227,7 @@ class ShardSupervisor:
             await self._runtime.stop(unit)
         finally:
             self._stopping.discard(unit)
+            self._stopping_records.pop(unit, None)
             self._states.pop(unit, None)
         if record is not None and msg is not None:
             self._report(self._status(record, "stopped", detail=msg.reason))

@@ -170,7 +170,7 @@ def _eviction(model: Model, alive: list[Replica], catalog: Catalog, nodes: list[
 def _minus(usage: Mapping[str, NodeUsage], replicas: Iterable[Replica]
            ) -> dict[str, NodeUsage]:
     room = dict(usage)
-    for node_id, freed in usage_of(replicas).items():
+    for node_id, freed in usage_of(replicas, held=True).items():
         have = room.get(node_id, NodeUsage())
         room[node_id] = NodeUsage(have.gpus - freed.gpus, have.ports - freed.ports,
                                   max(0, have.shards - freed.shards))
@@ -192,6 +192,7 @@ def plan(
     nodes = list(nodes)
     nodes_by_id = {n.id: n for n in nodes}
     replicas = list(replicas)
+    held = list(held)
     load = load or {}
     actions: list[Action] = []
     unplaced: dict[str, str] = {}
@@ -261,6 +262,11 @@ def plan(
                 usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
                     shard.gpus, placement.ports_on(shard.node_id))
         if len(placements) == wanted:
+            continue
+        if held and place_model(model, nodes, _minus(usage, held),
+                                policy.strategy).placement is not None:
+            # Room is on its way: replicas still stopping will free enough of it.
+            unplaced[model.name] = "waiting for " + ", ".join(r.id for r in held) + " to stop"
             continue
         # A model that just lost a replica to eviction does not evict in turn in the
         # same pass: a cascade, if any, happens one logged pass at a time.

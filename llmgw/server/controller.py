@@ -63,6 +63,8 @@ class Controller:
         self.backoffs: dict[str, reconcile.Backoff] = {}
         self.unplaced: dict[str, str] = {}
         self._wake = asyncio.Event()
+        self._expected: set[str] = set()
+        self._settle_until = 0.0
         self._listeners: list[Callable[[Controller], None]] = []
         self._lock = asyncio.Lock()
 
@@ -75,14 +77,42 @@ class Controller:
         self._wake.set()
 
     async def run(self) -> None:
+        await self._expect_known_nodes()
         while True:
             try:
                 await self.pass_once()
             except Exception:
                 log.exception("reconcile pass failed; the next pass will try again")
             self._wake.clear()
+            # Not asyncio.wait_for: on 3.11 it can swallow a cancel that arrives as the
+            # wait completes (CPython gh-86296), and the server would never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
+
+    async def _expect_known_nodes(self) -> None:
+        """After a restart, give the nodes that were up a grace period to report what they
+        run before placing anything: a replica placed while its node is still dialling
+        back would be a duplicate, and the scale-down would then stop the original."""
+        known = {n.id for n in await self.store.list_nodes() if n.state != "lost"}
+        if known:
+            self._expected = known
+            self._settle_until = self.clock() + self.policy.adoption_grace_s
+            log.info("waiting up to %g s for %d known node(s) to report what they run",
+                     self.policy.adoption_grace_s, len(known))
+
+    def _settling(self, now: float) -> str | None:
+        if not self._expected:
+            return None
+        missing = sorted(n for n in self._expected if self.sessions.get(n) is None)
+        if not missing or now >= self._settle_until:
+            if missing:
+                log.warning("placing without %s: not back within %g s", ", ".join(missing),
+                            self.policy.adoption_grace_s)
+            self._expected = set()
+            return None
+        return (f"waiting for {', '.join(missing)} to report what they run after a "
+                f"restart (at most {self._settle_until - now:.0f} s more)")
 
     async def pass_once(self) -> reconcile.Plan:
         async with self._lock:
@@ -90,9 +120,19 @@ class Controller:
             for node_id, old, new in self.sessions.refresh(now):
                 log.info("node %s: %s -> %s", node_id, old.value, new.value)
                 await self.store.set_node_state(node_id, new.value, _utc(now))
+                if new is NodeState.LOST and self.sessions.close(node_id):
+                    # Its stream outlived the silence (a paused VM, a short partition): make
+                    # it register again, so what it still runs is adopted afresh.
+                    log.warning("node %s was lost with its stream still open; closing it so "
+                                "the node registers again", node_id)
             self.backoffs = reconcile.settle_backoffs(
                 self.backoffs, self.replicas.values(), now, self.policy)
             self._let_go(now)
+            settling = self._settling(now)
+            if settling:
+                self.unplaced = {m.name: settling for m in self.catalog.models}
+                self._changed()
+                return reconcile.Plan(unplaced=self.unplaced)
             plan = reconcile.plan(self.catalog, self.sessions.nodes(), self.replicas.values(),
                                   self.backoffs, now, self.policy, load=self.load(),
                                   held=[r for r, _ in self.releasing.values()])
@@ -257,7 +297,8 @@ class Controller:
         self.sessions.set_draining(node_id, draining)
         await self.store.put_setting(DRAINING_SETTING, sorted(self.sessions.draining))
         log.info("node %s: %s", node_id, "draining" if draining else "undrained")
-        self.wake()
+        # A pass now, so the answer to the operator already shows the new state.
+        await self.pass_once()
 
     def node_disconnected(self, node_id: str, connection: int) -> None:
         self.sessions.detach(node_id, connection)

@@ -106,6 +106,21 @@ class AgentProc:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(5)
 
+    def pause(self) -> None:
+        """SIGSTOP the agent process only (not its shards): it goes silent, as behind a
+        partition, with its stream left open."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def engine_pids(self) -> dict[str, tuple[int, float]]:
+        """Per shard unit, the engine's (pid, start time) from this agent's records."""
+        return {r["unit"]: (r["pid"], r["started_at"]) for r in self.shard_records()
+                if "unit" in r and "pid" in r}
+
     def shard_records(self) -> list[dict]:
         records = []
         for path in sorted((self.state_dir / "shards").glob("*.json")):
@@ -201,6 +216,29 @@ class Cluster:
         self.agents[node_id] = agent
         return agent
 
+    def stop_server(self) -> int | None:
+        """SIGTERM the server's process group and wait for it to exit (SIGKILL after 15 s);
+        returns its exit status: 0 when it stopped on SIGTERM, -9 when it had to be killed."""
+        assert self.server is not None
+        _stop_group(self.server)
+        return self.server.returncode
+
+    def restart_server(self) -> float:
+        """Stop the server and start it again on the same port, state directory, store and
+        API key; returns how long it was down, in seconds (until /healthz answered)."""
+        began = time.monotonic()
+        self.stop_server()
+        self.start_server()
+        return time.monotonic() - began
+
+    def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One admin API call with the admin token."""
+        return httpx.request(method, f"{self.base_url}{path}", timeout=10,
+                             headers={"authorization": f"Bearer {self.admin_token}"}, **kwargs)
+
+    def replicas(self, model: str) -> list[dict]:
+        return [r for r in self.status()["replicas"] if r["model"] == model]
+
     def status(self) -> dict:
         resp = httpx.get(f"{self.base_url}/api/status",
                          headers={"authorization": f"Bearer {self.admin_token}"}, timeout=5)
@@ -230,3 +268,14 @@ class Cluster:
             agent.stop()
         if self.server is not None:
             _stop_group(self.server)
+
+
+def process_alive(pid: int, started_at: float) -> bool:
+    """Whether the process that a shard record names still runs (not a recycled PID, not
+    a zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        return (abs(proc.create_time() - started_at) < 0.5
+                and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False

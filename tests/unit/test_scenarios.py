@@ -734,12 +734,13 @@ def test_held_replicas_keep_their_gpus_and_ports(
     assert ports == free_ports
 
 
-def test_held_room_on_a_full_node_leaves_the_model_unplaced() -> None:
+def test_held_room_on_a_full_node_leaves_the_model_waiting_for_it() -> None:
     held = [_stopping(running("old-e1", ("node01", tuple(range(8)), 20000), model="old"))]
 
     result = plan(catalog(model()), [h100_8x80g("node01")], [], {}, NOW, held=held)
 
-    assert result == Plan((), {"m": "node01: needs 1 GPU, has 0"})
+    # Nothing is placed onto room still held, and the reason says what it waits for.
+    assert result == Plan((), {"m": "waiting for old-e1 to stop"})
 
 
 def _live_failed_pair() -> Replica:

@@ -66,6 +66,14 @@ class NodeSessions:
             session.live.connected = False
             session.outbox = None
 
+    def close(self, node_id: str) -> bool:
+        """Close the node's stream, if open: it will dial again and register afresh."""
+        session = self._sessions.get(node_id)
+        if session is None or session.outbox is None:
+            return False
+        session.outbox.put_nowait(_CLOSE)
+        return True
+
     def set_draining(self, node_id: str, draining: bool) -> None:
         (self.draining.add if draining else self.draining.discard)(node_id)
         session = self._sessions.get(node_id)
