@@ -17,7 +17,7 @@ import time
 import aiohttp
 
 from llmgw import __version__, wire
-from llmgw.agent.discovery import host
+from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime import ProcessRuntime
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.config import AgentConfig
@@ -58,6 +58,7 @@ class Agent:
         log.info("runtime: plain processes (%s); shard records and logs are under %s", why,
                  self.runtime.directory)
         self._outbox: asyncio.Queue[wire.Up] = asyncio.Queue()
+        self._gpu_note = ""
         self._connected = False
         self._rng = random.Random()
         self.supervisor = ShardSupervisor(
@@ -74,6 +75,10 @@ class Agent:
 
     def inventory(self) -> wire.Inventory:
         facts = host.describe()
+        found = gpus.discover_gpus()
+        if not found.gpus and found.note != self._gpu_note:
+            log.info("no NVIDIA GPUs: %s", found.note)
+        self._gpu_note = found.note
         engines = [wire.Engine(name="sim", version=__version__, state="installed")]
         for name, e in sorted(self.config.engines.items()):
             if name in HELPER_BINARIES:
@@ -85,7 +90,8 @@ class Agent:
                 engines.append(wire.Engine(name=name, version=e.version, state="failed",
                                            detail=f"this agent cannot launch {name}"))
         return wire.Inventory(
-            **facts, engines=engines, engines_probed=True, fabric=self.config.fabric,
+            **facts, gpus=list(found.gpus), engines=engines, engines_probed=True,
+            fabric=self.config.fabric,
             labels=dict(self.config.labels),
             disabled_engines=sorted(self.config.disable_engines),
         )
