@@ -198,7 +198,8 @@ class Agent:
                 message = await asyncio.wait_for(self._outbox.get(), timeout)
             except TimeoutError:
                 _, available = host.memory_mib()
-                message = wire.Heartbeat(ram_available_mib=available,
+                free = [g.memory_free_mib for g in gpus.discover_gpus().gpus]
+                message = wire.Heartbeat(ram_available_mib=available, gpu_memory_free_mib=free,
                                          ports_busy=self.ports_busy(), sent_at=time.time())
                 next_beat = time.monotonic() + interval_s
             await ws.send_bytes(wire.encode(message))

@@ -91,22 +91,28 @@ def node_state(live: NodeLiveness, now: float, timeouts: Timeouts) -> NodeState:
 
 
 def node_from_register(msg: wire.Register, state: NodeState, last_seen: float,
-                       ports_busy: list[int] | None = None) -> Node:
-    """The node as placement sees it; ``ports_busy`` is the latest heartbeat's, if newer
-    than the registration."""
+                       heartbeat: wire.Heartbeat | None = None) -> Node:
+    """The node as placement sees it: the registration, with what the latest heartbeat
+    measured since (free GPU memory, busy ports) where it has it."""
     inv = msg.inventory
+    free = heartbeat.gpu_memory_free_mib if heartbeat else []
+    # GPU order is PCI bus order on both: the heartbeat's list lines up with the inventory's.
+    if len(free) != len(inv.gpus):
+        free = [g.memory_free_mib for g in inv.gpus]
+    ports_busy = heartbeat.ports_busy if heartbeat else msg.ports_busy
     return Node(
         id=msg.node_id,
         address=msg.address,
         state=state,
-        gpus=tuple(Gpu(g.index, g.name, g.memory_total_mib, g.memory_free_mib) for g in inv.gpus),
+        gpus=tuple(Gpu(g.index, g.name, g.memory_total_mib, f)
+                   for g, f in zip(inv.gpus, free, strict=True)),
         engines=tuple(EngineStatus(e.name, e.version, e.state, e.detail) for e in inv.engines),
         cpu_flags=frozenset(inv.cpu_flags),
         ram_total_mib=inv.ram_total_mib,
         fabric=inv.fabric,
         labels=tuple(sorted(inv.labels.items())),
         port_range=tuple(msg.port_range),
-        ports_busy=frozenset(msg.ports_busy if ports_busy is None else ports_busy),
+        ports_busy=frozenset(ports_busy),
         disabled_engines=frozenset(inv.disabled_engines),
         weights=frozenset(inv.weights),
         last_seen=last_seen,

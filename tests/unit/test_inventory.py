@@ -86,3 +86,24 @@ def test_node_from_register() -> None:
     assert node.labels == (("rack", "r12"), ("zone", "b"))
     assert node.port_range == (21000, 21099)
     assert node.last_seen == 42.0
+
+
+def test_the_latest_heartbeat_updates_free_gpu_memory_and_busy_ports():
+    msg = wire.Register(
+        node_id="node01", address="10.0.0.1", ports_busy=[20001],
+        inventory=wire.Inventory(hostname="node01", gpus=[
+            wire.Gpu(index=i, name="NVIDIA H100 80GB HBM3", memory_total_mib=81559,
+                     memory_free_mib=81000) for i in range(2)]),
+    )
+    beat = wire.Heartbeat(gpu_memory_free_mib=[81000, 1200], ports_busy=[20005])
+
+    node = node_from_register(msg, NodeState.READY, 0.0, beat)
+
+    assert [g.memory_free_mib for g in node.gpus] == [81000, 1200]
+    assert node.ports_busy == frozenset({20005})
+    # A heartbeat that does not line up with the inventory (a GPU fell off the bus) is not
+    # trusted for memory: the registration's figures stand until the node registers again.
+    odd = node_from_register(msg, NodeState.READY, 0.0,
+                             wire.Heartbeat(gpu_memory_free_mib=[5], ports_busy=[]))
+    assert [g.memory_free_mib for g in odd.gpus] == [81000, 81000]
+    assert node_from_register(msg, NodeState.READY, 0.0).ports_busy == frozenset({20001})

@@ -116,8 +116,7 @@ class NodeSessions:
     def nodes(self) -> list[Node]:
         """Every known node as placement sees it (call ``refresh`` first)."""
         return [
-            node_from_register(s.register, s.state, s.live.last_seen,
-                               s.last_heartbeat.ports_busy if s.last_heartbeat else None)
+            node_from_register(s.register, s.state, s.live.last_seen, s.last_heartbeat)
             for s in sorted(self._sessions.values(), key=lambda s: s.node_id)
         ]
 
