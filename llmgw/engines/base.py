@@ -97,6 +97,17 @@ def leader_rendezvous(req: ShardRequest) -> tuple[str, int]:
     return req.leader_address, req.rendezvous_port
 
 
+def two_nodes_of_eight_gpus() -> list[ShardRequest]:
+    """engine-check's widest shape for a GPU engine: both ranks of a 2 x 8-GPU replica,
+    the leader serving embeddings."""
+    common = dict(replica="r-e1", world_size=2, model="org/m", weights="/w/org-m",
+                  port=20001, leader_address="10.0.0.1", rendezvous_port=20002)
+    return [
+        ShardRequest(rank=0, gpus=tuple(range(8)), embeddings=True, **common),
+        ShardRequest(rank=1, gpus=tuple(range(8)), **common),
+    ]
+
+
 def hostport(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 

@@ -16,6 +16,7 @@ from llmgw.engines.base import (
     hostport,
     leader_rendezvous,
     need_port,
+    two_nodes_of_eight_gpus,
 )
 
 NAME = "sglang"
@@ -54,9 +55,4 @@ def help_argv(argv: tuple[str, ...]) -> tuple[tuple[str, ...], int, int]:
 
 
 def widest() -> list[ShardRequest]:
-    common = dict(replica="r-e1", world_size=2, model="org/m", weights="/w/org-m",
-                  port=20001, leader_address="10.0.0.1", rendezvous_port=20002)
-    return [
-        ShardRequest(rank=0, gpus=tuple(range(8)), embeddings=True, **common),
-        ShardRequest(rank=1, gpus=tuple(range(8)), **common),
-    ]
+    return two_nodes_of_eight_gpus()

@@ -330,9 +330,6 @@ class Controller:
         return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
                          for r in mine)
 
-    def node_state(self, node_id: str) -> NodeState | None:
-        session = self.sessions.get(node_id)
-        return session.state if session else None
 
 
 def _utc(ts: float) -> datetime:

@@ -125,6 +125,9 @@ class ProcessRuntime:
         elif child is not None and child.returncode is None:
             await child.wait()
         self._record_path(unit).unlink(missing_ok=True)
+        # Its last lines were reported on failure; a node restarting shards for months
+        # must not keep a log per shard forever.
+        self._log_path(unit).unlink(missing_ok=True)
 
     async def _gone(self, record: ShardRecord, child, timeout_s: float) -> bool:
         async def wait() -> None:
@@ -148,6 +151,3 @@ class ProcessRuntime:
         except OSError:
             return []
         return list(tail)
-
-    def forget_log(self, unit: str) -> None:
-        self._log_path(unit).unlink(missing_ok=True)

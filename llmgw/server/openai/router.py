@@ -39,6 +39,3 @@ class Router:
 
     def in_flight(self) -> dict[str, int]:
         return {e.replica: e.in_flight for eps in self._routes.values() for e in eps}
-
-    def models(self) -> list[str]:
-        return sorted(self._routes)
