@@ -78,7 +78,13 @@ class Profile(_Config):
     gpu_memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 0
     args: list[str] = []
     env: dict[str, str] = {}
+    # A path on the node (a GGUF file, a model directory) that wins over ``source``.
     weights: str | None = None
+    # Where the weights come from when a node lacks them: hf://ORG/NAME[@REVISION] (the
+    # agent's hub or mirror) or https://HOST/ORG/NAME. ``files`` picks some of its files
+    # (globs such as "*Q4_K_M.gguf"); empty means all of them.
+    source: str | None = None
+    files: list[str] = []
     startup_timeout_s: PositiveSeconds = 600.0
     # Serve /v1/embeddings (llama.cpp --embeddings, vLLM --runner pooling, SGLang
     # --is-embedding): an embedding model, not a chat one.
@@ -134,6 +140,33 @@ class EnginePath(_Config):
     version: str = ""
 
 
+class WeightsDirectory(_Config):
+    path: str
+    # A filer other nodes of the fabric see too (NFS, Lustre…). Said, never guessed: local
+    # storage taken for shared would make the cluster believe a model is everywhere.
+    shared: bool = False
+
+
+class Weights(_Config):
+    # Where the agent looks for weights; fetched weights go to the first one that is not
+    # shared. Created at start when missing.
+    directories: Annotated[list[WeightsDirectory], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: [WeightsDirectory(path="/var/lib/llmgw-weights")])
+    # The Hugging Face-style hub hf:// sources are fetched from: the public hub, or the
+    # offline mirror of an air-gapped cluster.
+    hub: str = "https://huggingface.co"
+    # A file holding the hub token, for gated repositories.
+    token_file: str | None = None
+
+
+class AgentTls(_Config):
+    """The node's identity on the agent stream (``https://`` control-plane addresses)."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+
 class AgentConfig(_Config):
     servers: Annotated[list[str], msgspec.Meta(min_length=1)]
     node_id: str | None = None
@@ -146,6 +179,8 @@ class AgentConfig(_Config):
     engines: dict[str, EnginePath] = {}
     # Engines this node must never run, even if installed (`--disable-engine` at join).
     disable_engines: list[str] = []
+    weights: Weights = msgspec.field(default_factory=Weights)
+    tls: AgentTls | None = None
     reconnect: Reconnect = msgspec.field(default_factory=Reconnect)
     # `llmgw up` stops its engines with itself; a real node keeps them serving.
     stop_shards_on_exit: bool = False

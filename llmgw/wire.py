@@ -55,9 +55,35 @@ class Engine(_Struct):
     detail: str = ""
 
 
+class WeightsDir(_Struct):
+    """One directory the agent looks in for weights, and the complete weights in it (by
+    key, see core.weights). ``note`` says what could not be read or what was skipped as
+    incomplete."""
+
+    path: str
+    shared: bool = False
+    total_mib: int = 0
+    free_mib: int = 0
+    held: list[str] = []
+    note: str = ""
+
+
+class RdmaPort(_Struct):
+    """An InfiniBand (or RoCE) port from sysfs."""
+
+    adapter: str
+    port: int
+    state: str = ""
+    rate_gbps: float = 0.0
+    link_layer: str = ""
+    guid: str = ""
+
+
 class Inventory(_Struct):
     hostname: str
-    os: str = ""
+    os: str = ""  # "ubuntu 24.04"
+    os_like: str = ""  # ID_LIKE: "debian", "rhel fedora"
+    kernel: str = ""
     arch: str = ""
     cpu_model: str = ""
     cpu_count: int = 0
@@ -65,13 +91,18 @@ class Inventory(_Struct):
     ram_total_mib: int = 0
     ram_available_mib: int = 0
     gpus: list[Gpu] = []
+    gpu_driver: str = ""
+    cuda: str = ""  # the CUDA version the driver supports
     engines: list[Engine] = []
     engines_probed: bool = False
     fabric: str | None = None
     labels: dict[str, str] = {}
     disabled_engines: list[str] = []
-    # Models whose weights are complete on this node (or on a filer it sees).
+    # Keys of the weights complete on this node (or on a filer it sees): every
+    # directory's ``held``, once each.
     weights: list[str] = []
+    weights_dirs: list[WeightsDir] = []
+    rdma: list[RdmaPort] = []
 
 
 class RunningShard(_Struct):
@@ -107,8 +138,17 @@ class Register(_Struct, tag="register", tag_field="type"):
 class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
     ram_available_mib: int = 0
     gpu_memory_free_mib: list[int] = []
+    # Free space of each weights directory, in the inventory's order.
+    weights_free_mib: list[int] = []
     ports_busy: list[int] = []
     sent_at: float = 0.0
+
+
+class InventoryUpdate(_Struct, tag="inventory", tag_field="type"):
+    """The node's inventory changed (more RAM, an engine installed, weights fetched):
+    the whole new inventory, sent only when it differs from the last one sent."""
+
+    inventory: Inventory
 
 
 class ShardStatus(_Struct, tag="shard_status", tag_field="type"):
@@ -141,6 +181,9 @@ class ShardProfile(_Struct):
     args: list[str] = []
     env: dict[str, str] = {}
     weights: str | None = None
+    source: str | None = None
+    files: list[str] = []
+    weights_key: str = ""
     startup_timeout_s: float = 600.0
     embeddings: bool = False
     launch_mode: str = "mp"
@@ -168,10 +211,10 @@ class StopShard(_Struct, tag="stop_shard", tag_field="type"):
     reason: str = ""
 
 
-Up = Register | Heartbeat | ShardStatus
+Up = Register | Heartbeat | InventoryUpdate | ShardStatus
 Down = Welcome | StartShard | StopShard
 
-_UP_TAGS = frozenset({"register", "heartbeat", "shard_status"})
+_UP_TAGS = frozenset({"register", "heartbeat", "inventory", "shard_status"})
 _DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard"})
 
 _encoder = msgspec.msgpack.Encoder()

@@ -52,7 +52,7 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.node_id = config.node_id or host.hostname()
-        self.address = config.address or host.route_source_address(config.servers[0])
+        self.address = config.address or host.route_source_address(config.servers)
         self.runtime = ProcessRuntime(config.state_dir)
         why = "no systemd runtime in this build" if config.runtime == "auto" else "configured"
         log.info("runtime: plain processes (%s); shard records and logs are under %s", why,

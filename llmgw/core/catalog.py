@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llmgw import config
 from llmgw.core.names import NameRuleError, check_element, check_model_name
+from llmgw.core.weights import SourceError, check_patterns, parse_source, weights_key
 
 # Engines that ship inside llmgw: every node can run them, nothing to install.
 BUILTIN_ENGINES = frozenset({"sim"})
@@ -28,6 +29,11 @@ class Profile:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     weights: str | None = None
+    source: str | None = None
+    files: tuple[str, ...] = ()
+    # What a node holding these weights reports (see core.weights); "" for a profile
+    # without a source, whose weights are keyed by the model's name.
+    weights_key: str = ""
     startup_timeout_s: float = 600.0
     embeddings: bool = False
     launch_mode: str = "mp"
@@ -51,6 +57,9 @@ class Model:
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
+
+    def weights_key(self, profile: Profile) -> str:
+        return profile.weights_key or self.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +95,13 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                                "set nodes: 1 and gpus: 0 or 1")
         if p.gpu_memory_mib and not p.gpus:
             raise CatalogError(f"{at}.gpu_memory_mib is set but gpus is 0; set gpus too")
+        try:
+            files = check_patterns(p.files)
+            key = weights_key(parse_source(p.source), files) if p.source else ""
+        except SourceError as err:
+            raise CatalogError(f"{at}: {err}") from None
+        if files and not p.source:
+            raise CatalogError(f"{at}.files is set but source is not; name the repository")
         profiles.append(
             Profile(
                 name=p.name,
@@ -96,6 +112,9 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 args=tuple(p.args),
                 env=tuple(sorted(p.env.items())),
                 weights=p.weights,
+                source=p.source,
+                files=files,
+                weights_key=key,
                 startup_timeout_s=p.startup_timeout_s,
                 embeddings=p.embeddings,
                 launch_mode=p.launch_mode,

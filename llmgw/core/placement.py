@@ -175,7 +175,8 @@ def _dynamic_fit(model: Model, profile: Profile, node: Node, usage: NodeUsage,
     warning = None
     if not profile.gpus and _slow_cpu(node):
         warning = f"{node.id}'s CPU has no AVX2: a CPU engine runs several times slower there"
-    return _Fit(node, chosen, ports, unused_after, usage.shards, model.name in node.weights,
+    return _Fit(node, chosen, ports, unused_after, usage.shards,
+                model.weights_key(profile) in node.weights,
                 warning)
 
 
@@ -252,7 +253,7 @@ def _place_groups(model: Model, profile: Profile, nodes: list[Node],
         members.sort(key=lambda pair: pair[0])
     # A fabric holds the weights if any node in it does, full or not: one shared filer or
     # the nodes already serving the model count the same.
-    holding = {n.fabric for n in nodes if n.fabric and model.name in n.weights}
+    holding = {n.fabric for n in nodes if n.fabric and model.weights_key(profile) in n.weights}
     placements: list[Placement] = []
     fabric_refusals: dict[str, str] = {}
     while len(placements) < count:

@@ -46,7 +46,8 @@ class Server:
 
 @get("/healthz")
 async def healthz() -> dict:
-    return {"status": "ok"}
+    # The time lets an agent's doctor measure clock skew against the control plane.
+    return {"status": "ok", "time": time.time()}
 
 
 def _api_error(_: Request, exc: ApiError) -> Response:

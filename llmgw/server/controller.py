@@ -177,7 +177,8 @@ class Controller:
                 epoch=epoch, model=model.name,
                 profile=wire.ShardProfile(
                     name=profile.name, engine=profile.engine, args=list(profile.args),
-                    env=dict(profile.env), weights=profile.weights,
+                    env=dict(profile.env), weights=profile.weights, source=profile.source,
+                    files=list(profile.files), weights_key=model.weights_key(profile),
                     startup_timeout_s=profile.startup_timeout_s,
                     embeddings=profile.embeddings, launch_mode=profile.launch_mode),
                 port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
