@@ -1,0 +1,662 @@
+"""``llmgw doctor``: what this node is, what it can run, and what stops it, with the fix.
+
+Two halves, kept apart so that every verdict is testable without the hardware: ``gather``
+reads the node (NVML, cpuinfo, sysfs, statvfs, netlink, one GET of each control plane's
+``/healthz``) into a plain ``Facts``, through sources a test replaces; ``checks`` and
+``can_run`` are pure functions of those facts and the agent's configuration. A finding is
+``blocking`` when the agent could not work at all as configured (no route or no answer
+from any control plane, unreadable TLS files, a clock a minute off, a driver too old for
+every CUDA build); everything that only makes the node slower or narrower is a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import platform
+import pwd
+import re
+import ssl
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from llmgw.agent.discovery import gpus as gpu_discovery
+from llmgw.agent.discovery import host
+from llmgw.agent.discovery.infiniband import IbPort, discover_infiniband
+from llmgw.agent.discovery.tls import TlsFile, TlsReport, read_tls
+from llmgw.config import AgentConfig
+
+Severity = Literal["blocking", "warning", "info", "ok"]
+SEVERITY_ORDER: dict[str, int] = {"blocking": 0, "warning": 1, "info": 2, "ok": 3}
+
+_GIB = 1024  # MiB
+VLLM_DISK_MIB = 25 * _GIB  # a vLLM (or SGLang) environment: torch, CUDA libraries, kernels
+WEIGHTS_LOW_MIB = 10 * _GIB  # below this, the directory fetched weights land in is warned
+SKEW_WARN_S = 5.0
+SKEW_BLOCK_S = 60.0  # short-lived certificates and heartbeat timeouts break past this
+CERT_WARN_S = 7 * 86400.0
+PROBE_TIMEOUT_S = 3.0
+# What an agent.yaml that names only its servers gets: where engines and weights go.
+_DEFAULTS = AgentConfig(servers=["http://127.0.0.1:8080"])
+
+
+# --- CUDA builds and what each engine needs -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CudaBuild:
+    name: str
+    min_driver: str  # the Linux x86_64 driver NVIDIA names for it
+    engines: tuple[str, ...]  # engines whose builds llmgw takes from this CUDA line
+
+
+# NVIDIA, CUDA Toolkit Release Notes, "CUDA Toolkit and Corresponding Driver Versions"
+# (Table 3, docs.nvidia.com/cuda/cuda-toolkit-release-notes) and the CUDA minor-version
+# compatibility page (docs.nvidia.com/deploy/cuda-compatibility): CUDA 12.x runs on
+# >= 525.60.13 through minor-version compatibility; CUDA 12.8 GA lists >= 570.26; CUDA 13.0
+# GA lists >= 580.65.06. Which engine uses which line: llama.cpp and ComfyUI (PyTorch cu12x
+# wheels) run on any CUDA 12 driver; vLLM's wheels are built with CUDA 12.8 or 13.0; SGLang
+# publishes CUDA 13 builds only since 0.5.20 (docs.sglang.io install page).
+CUDA_BUILDS: tuple[CudaBuild, ...] = (
+    CudaBuild("CUDA 12.x", "525.60.13", ("llama.cpp", "comfyui")),
+    CudaBuild("CUDA 12.8", "570.26", ("vllm",)),
+    CudaBuild("CUDA 13.0", "580.65.06", ("vllm", "sglang")),
+)
+# Lowest compute capability each GPU engine supports: vLLM's GPU install page says 7.0 or
+# higher; SGLang's quickstart says sm75 and above.
+MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "vllm": (7, 0), "sglang": (7, 5), "llama.cpp": (5, 0), "comfyui": (5, 0)}
+_BIG_ENGINES = ("vllm", "sglang")  # installs of about 25 GiB
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def driver_floor(engine: str) -> str:
+    """The oldest driver that runs at least one of ``engine``'s CUDA builds."""
+    return min((b.min_driver for b in CUDA_BUILDS if engine in b.engines), key=_version)
+
+
+# --- facts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One GET of a control plane's /healthz."""
+
+    ok: bool
+    error: str = ""
+    status: int | None = None
+    server_time: float | None = None  # the server's clock, from the answer
+    sent_at: float = 0.0  # our clock when the request left and when the answer came
+    received_at: float = 0.0
+
+    @property
+    def round_trip_s(self) -> float:
+        return max(0.0, self.received_at - self.sent_at)
+
+    @property
+    def skew_s(self) -> float | None:
+        """Server clock minus ours, read at the middle of the round trip."""
+        if self.server_time is None:
+            return None
+        return self.server_time - (self.sent_at + self.received_at) / 2
+
+
+@dataclass(frozen=True)
+class ServerFact:
+    url: str
+    route: host.Route | None
+    route_error: str = ""
+    probe: Probe | None = None  # None: not tried (no route)
+
+
+@dataclass(frozen=True)
+class DirFact:
+    path: str  # as configured
+    measured: str  # the nearest existing path, whose filesystem was measured
+    exists: bool
+    is_dir: bool
+    writable: bool  # the directory, or (missing) the parent it would be created in
+    total_mib: int | None
+    free_mib: int | None
+    shared: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Facts:
+    hostname: str
+    node_id: str
+    os_release: dict[str, str]
+    kernel: str
+    arch: str
+    cpu_model: str
+    cpu_count: int
+    cpu_flags: tuple[str, ...]  # vector extensions only
+    virtual: bool  # cpuinfo's "hypervisor" flag
+    ram_total_mib: int
+    ram_available_mib: int
+    gpus: gpu_discovery.GpuReport
+    infiniband: tuple[IbPort, ...]
+    engine_dir: DirFact
+    weights: tuple[DirFact, ...]
+    servers: tuple[ServerFact, ...]
+    tls: TlsReport | None = None  # None: no tls in agent.yaml
+    now: float = 0.0
+    user: str = ""  # who ran the doctor, "root (uid 0)"
+
+
+def http_probe(url: str, context: ssl.SSLContext | None, timeout_s: float,
+               clock: Callable[[], float]) -> Probe:
+    """GET ``{url}/healthz`` directly (no proxy, as the agent dials)."""
+    handlers: list[Any] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
+    target = url.rstrip("/") + "/healthz"
+    sent = clock()
+    try:
+        with opener.open(target, timeout=timeout_s) as answer:
+            body, status = answer.read(65536), answer.status
+    except urllib.error.HTTPError as err:
+        return Probe(False, f"{target} answered HTTP {err.code}", err.code, None, sent, clock())
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        return Probe(False, _network_error(reason, target, timeout_s), None, None, sent,
+                     clock())
+    received = clock()
+    try:
+        value = json.loads(body).get("time")
+        server_time = float(value) if isinstance(value, int | float) else None
+    except (ValueError, AttributeError):
+        server_time = None
+    return Probe(True, "", status, server_time, sent, received)
+
+
+def _network_error(reason: Any, target: str, timeout_s: float) -> str:
+    if isinstance(reason, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    if isinstance(reason, ConnectionRefusedError):
+        netloc = urllib.parse.urlsplit(target).netloc
+        return f"connection refused: nothing listens on {netloc}"
+    if isinstance(reason, ssl.SSLError):
+        return f"TLS handshake failed: {reason.reason or reason}"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where ``gather`` reads the node from; tests replace each one."""
+
+    nvml: Any = None  # pynvml itself, or gpus.FakeNvml
+    cpuinfo: Path = Path("/proc/cpuinfo")
+    os_release: Path = Path("/etc/os-release")
+    infiniband_root: Path = Path("/sys/class/infiniband")
+    arch: str = field(default_factory=platform.machine)
+    clock: Callable[[], float] = time.time
+    probe: Callable[[str, ssl.SSLContext | None, float, Callable[[], float]], Probe] = http_probe
+    route: Callable[[str], host.Route] = host.route_to
+    disk: Callable[[str], tuple[int, int]] = host.disk_mib
+    memory: Callable[[], tuple[int, int]] = host.memory_mib
+    timeout_s: float = PROBE_TIMEOUT_S
+
+
+def gather(config: AgentConfig | None = None, servers: Sequence[str] | None = None,
+           sources: Sources | None = None) -> Facts:
+    """Read the node. ``servers`` defaults to the configuration's; none means no
+    control-plane checks. Never raises for a missing device, file or network."""
+    src = sources or Sources()
+    cfg = config or _DEFAULTS
+    urls = list(servers) if servers is not None else (list(config.servers) if config else [])
+    model, flags = host.cpu_info(src.cpuinfo)
+    total, available = src.memory()
+    name = host.hostname()
+    tls = config.tls if config else None
+    return Facts(
+        hostname=name, node_id=cfg.node_id or name, os_release=host.os_release(src.os_release),
+        kernel=platform.release(), arch=src.arch, cpu_model=model, cpu_count=os.cpu_count() or 0,
+        cpu_flags=tuple(flags), virtual=_hypervisor(src.cpuinfo), ram_total_mib=total,
+        ram_available_mib=available, gpus=gpu_discovery.discover_gpus(src.nvml),
+        infiniband=discover_infiniband(src.infiniband_root),
+        engine_dir=_dir_fact(cfg.state_dir, False, src.disk),
+        weights=tuple(_dir_fact(d.path, d.shared, src.disk) for d in cfg.weights.directories),
+        servers=tuple(_server_fact(url, cfg, src) for url in urls),
+        tls=read_tls(tls.ca_file, tls.cert_file, tls.key_file) if tls else None,
+        now=src.clock(), user=_whoami())
+
+
+def _hypervisor(path: Path) -> bool:
+    try:
+        return re.search(r"^flags\s*:.*\bhypervisor\b", path.read_text(), re.M) is not None
+    except OSError:
+        return False
+
+
+def _whoami() -> str:
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _dir_fact(path: str, shared: bool, disk: Callable[[str], tuple[int, int]]) -> DirFact:
+    target = Path(path)
+    measured = target
+    while not measured.exists() and measured != measured.parent:
+        measured = measured.parent
+    try:
+        total, free = disk(str(measured))
+        error = ""
+    except OSError as err:
+        total = free = None
+        error = f"cannot measure {measured}: {err.strerror}"
+    return DirFact(path=path, measured=str(measured), exists=target.exists(),
+                   is_dir=target.is_dir(), writable=os.access(measured, os.W_OK | os.X_OK),
+                   total_mib=total, free_mib=free, shared=shared, error=error)
+
+
+def _server_fact(url: str, config: AgentConfig, src: Sources) -> ServerFact:
+    try:
+        route = src.route(url)
+    except host.NoRoute as err:
+        return ServerFact(url, None, str(err))
+    context = None
+    if url.startswith("https://"):
+        try:
+            context = _client_context(config)
+        except (OSError, ssl.SSLError) as err:
+            return ServerFact(url, route, "", Probe(False, f"TLS files unusable: {err}"))
+    return ServerFact(url, route, "", src.probe(url, context, src.timeout_s, src.clock))
+
+
+def _client_context(config: AgentConfig) -> ssl.SSLContext:
+    tls = config.tls
+    context = ssl.create_default_context(cafile=tls.ca_file if tls else None)
+    if tls:
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=_no_passphrase)
+    return context
+
+
+def _no_passphrase() -> bytes:
+    raise ssl.SSLError("the key is encrypted; the agent cannot type a passphrase")
+
+
+# --- verdicts (pure) --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: Severity
+    check: str  # a short stable id: "avx2", "nvidia-driver", "clock-skew"
+    summary: str  # what is wrong (or right), with the numbers measured
+    fix: str = ""  # what the operator does
+
+
+@dataclass(frozen=True)
+class Capability:
+    engine: str  # the adapter's name
+    build: str  # "cpu", "cuda" or "" where an engine has one kind
+    can: bool
+    why: str
+
+
+def _gib(mib: int | None) -> str:
+    return "?" if mib is None else f"{mib / _GIB:.1f} GiB"
+
+
+def _is_x86(arch: str) -> bool:
+    return arch in ("x86_64", "amd64", "i386", "i686")
+
+
+def _is_arm(arch: str) -> bool:
+    return arch in ("aarch64", "arm64") or arch.startswith("armv")
+
+
+def blocks(findings: Sequence[Finding]) -> bool:
+    return any(f.severity == "blocking" for f in findings)
+
+
+def exit_code(findings: Sequence[Finding]) -> int:
+    """0: nothing blocks the node; 1: something does."""
+    return 1 if blocks(findings) else 0
+
+
+def sort_findings(findings: Sequence[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
+
+
+def checks(facts: Facts, config: AgentConfig | None = None) -> list[Finding]:
+    """Every check's verdict, blocking first."""
+    found = [_avx2(facts), _driver(facts), _engine_disk(facts), *_weights(facts),
+             *_fabric(facts, config), *_control_plane(facts), *_tls(facts, config)]
+    return sort_findings(found)
+
+
+def _avx2(f: Facts) -> Finding:
+    if _is_arm(f.arch):
+        simd = [x for x in f.cpu_flags if x in ("neon", "asimd", "sve")]
+        return Finding("ok", "avx2", f"ARM CPU ({f.arch}) with {', '.join(simd) or 'NEON'}: "
+                       "CPU engines use its vector unit")
+    if not _is_x86(f.arch):
+        return Finding("info", "avx2", f"{f.arch} CPU: llmgw's CPU engines are built for "
+                       "x86_64 and ARM")
+    if "avx2" in f.cpu_flags:
+        return Finding("ok", "avx2", f"{f.cpu_model or 'the CPU'} has AVX2")
+    where = "this VM's virtual CPU" if f.virtual else "this CPU"
+    return Finding(
+        "warning", "avx2",
+        f"{where} ({f.cpu_model or 'unknown model'}) has no AVX2: CPU engines (llama.cpp) "
+        "run several times slower, and profiles with require_avx2 will not be placed here",
+        "in a VM, give it the host's CPU model: libvirt <cpu mode='host-passthrough'/>, "
+        "Proxmox `cpu: host`, or a model with AVX2 such as x86-64-v3 (QEMU -cpu host or "
+        "Haswell and newer); then power the VM off and on. On bare metal the CPU predates "
+        "AVX2 (before Intel Haswell / AMD Excavator): use GPU engines or another node")
+
+
+def _driver(f: Facts) -> Finding:
+    report = f.gpus
+    if not report.gpus:
+        note = f" ({report.note})" if report.note else ""
+        return Finding("info", "nvidia-driver",
+                       f"no NVIDIA GPUs{note}: a CPU-only node (sim, llama.cpp on the CPU)")
+    if not report.driver:
+        return Finding("warning", "nvidia-driver",
+                       f"{len(report.gpus)} NVIDIA GPU(s) but NVML gave no driver version: "
+                       "cannot tell which CUDA builds run here",
+                       "check `nvidia-smi`; reinstall the NVIDIA driver if it fails")
+    driver = _version(report.driver)
+    too_new = [b for b in CUDA_BUILDS if driver < _version(b.min_driver)]
+    newest = max((b.min_driver for b in CUDA_BUILDS), key=_version)
+    fix = (f"install NVIDIA driver {newest} or newer (the 580 branch runs every CUDA build "
+           "llmgw installs) from your distribution or NVIDIA, then reboot")
+    if len(too_new) == len(CUDA_BUILDS):
+        oldest = min((b.min_driver for b in CUDA_BUILDS), key=_version)
+        return Finding("blocking", "nvidia-driver",
+                       f"driver {report.driver} is older than every CUDA build llmgw "
+                       f"installs (needs ≥ {oldest}): upgrade the NVIDIA driver", fix)
+    if too_new:
+        lost = sorted({e for b in too_new for e in b.engines
+                       if _version(driver_floor(e)) > driver})
+        builds = ", ".join(f"{b.name} (needs ≥ {b.min_driver})" for b in too_new)
+        engines = f": {', '.join(lost)} cannot run here" if lost else ""
+        return Finding("warning", "nvidia-driver",
+                       f"driver {report.driver} rules out {builds}{engines}", fix)
+    return Finding("ok", "nvidia-driver", f"driver {report.driver} (CUDA {report.cuda or '?'}) "
+                   "runs every CUDA build llmgw installs")
+
+
+def _engine_disk(f: Facts) -> Finding:
+    d = f.engine_dir
+    if d.free_mib is None:
+        return Finding("warning", "disk-vllm", d.error or f"cannot measure {d.measured}",
+                       "check the filesystem of the agent's state_dir")
+    if d.free_mib < VLLM_DISK_MIB:
+        return Finding("warning", "disk-vllm",
+                       f"vLLM needs about {VLLM_DISK_MIB // _GIB} GiB; {_gib(d.free_mib)} free "
+                       f"on {d.measured} (the agent's state_dir is {d.path})",
+                       "free space there, or point state_dir in agent.yaml at a larger "
+                       "filesystem; llama.cpp and sim need far less")
+    return Finding("ok", "disk-vllm", f"{_gib(d.free_mib)} free on {d.measured}: room for vLLM")
+
+
+def _weights(f: Facts) -> list[Finding]:
+    target = next((d for d in f.weights if not d.shared), None)
+    found = []
+    for d in f.weights:
+        kind = "shared " if d.shared else ""
+        if d.exists and not d.is_dir:
+            found.append(Finding("warning", "weights-dirs", f"{d.path} is not a directory",
+                                 "fix weights.directories in agent.yaml"))
+        elif not d.writable and d is target:
+            where = d.path if d.exists else f"{d.measured} (to create {d.path})"
+            found.append(Finding(
+                "warning", "weights-dirs",
+                f"fetched weights land in {d.path}, but {where} is not writable by "
+                f"{f.user or 'this user'}", "give the agent's user write access, or list a "
+                "writable directory first in weights.directories"))
+        elif not d.exists and not d.writable:
+            found.append(Finding("warning", "weights-dirs",
+                                 f"{kind}weights directory {d.path} does not exist and cannot "
+                                 f"be created ({d.measured} is not writable)",
+                                 f"create {d.path}, or remove it from weights.directories"))
+        elif d is target and d.free_mib is not None and d.free_mib < WEIGHTS_LOW_MIB:
+            found.append(Finding("warning", "weights-dirs",
+                                 f"fetched weights land in {d.path}; only {_gib(d.free_mib)} "
+                                 f"free on {d.measured}",
+                                 "free space, or list a larger directory first"))
+        elif d.error:
+            found.append(Finding("warning", "weights-dirs", d.error))
+    if found:
+        return found
+    listed = "; ".join(
+        f"{d.path}{' (shared)' if d.shared else ''}: {_gib(d.free_mib)} free"
+        + ("" if d.exists else ", created at start") for d in f.weights)
+    return [Finding("ok", "weights-dirs", listed or "no weights directories")]
+
+
+def _fabric(f: Facts, config: AgentConfig | None) -> list[Finding]:
+    fabric = config.fabric if config else None
+    active = [p for p in f.infiniband if p.state == "ACTIVE"]
+    if fabric and not f.infiniband:
+        return [Finding("warning", "fabric", f"fabric {fabric} is configured but this node "
+                        "has no RDMA adapter (no ports under /sys/class/infiniband)",
+                        "load the adapter's driver (mlx5_ib), or remove fabric from "
+                        "agent.yaml")]
+    if fabric and not active:
+        ports = ", ".join(f"{p.adapter}/{p.port} {p.state or '?'}" for p in f.infiniband)
+        return [Finding("warning", "fabric", f"fabric {fabric} is configured but no RDMA port "
+                        f"is ACTIVE ({ports})", "check the cable and the subnet manager "
+                        "(`ibstat`; OpenSM must run somewhere on an InfiniBand fabric)")]
+    if not fabric and active:
+        return [Finding("info", "fabric", f"{len(active)} RDMA port(s) ACTIVE but no fabric "
+                        "is configured: multi-node replicas will not be placed across it",
+                        "set fabric: NAME in agent.yaml, the same on every node of the fabric")]
+    if fabric:
+        ports = ", ".join(f"{p.adapter}/{p.port} {p.rate_gbps:g} Gb/s {p.link_layer}"
+                          for p in active)
+        return [Finding("ok", "fabric", f"fabric {fabric}: {len(active)} RDMA port(s) ACTIVE "
+                        f"({ports})")]
+    return []
+
+
+def _control_plane(f: Facts) -> list[Finding]:
+    if not f.servers:
+        return [Finding("info", "control-plane-route", "no control-plane address to check",
+                        "pass --server URL, or --config agent.yaml")]
+    routed = [s for s in f.servers if s.route]
+    found = []
+    if not routed:
+        found.append(Finding(
+            "blocking", "control-plane-route",
+            "no route to any control plane: " + "; ".join(s.route_error for s in f.servers),
+            "give this node a route to the control plane's network (`ip route`: a default "
+            "route or one to its subnet), or correct servers in agent.yaml"))
+        return found
+    for s in f.servers:
+        if s.route is None:
+            found.append(Finding("warning", "control-plane-route",
+                                 f"no route to {s.url}: {s.route_error}",
+                                 "fix this node's routes to it, or remove it from servers"))
+    first = routed[0].route
+    via = f" through {first.gateway}" if first.gateway else ""
+    found.append(Finding("ok", "control-plane-route",
+                         f"this node is reached at {first.source} via {first.interface}"
+                         f"{via} (route to {first.destination})"))
+    tried = [s for s in routed if s.probe is not None]
+    failed = [s for s in tried if not s.probe.ok]
+    if failed:
+        severity: Severity = "blocking" if len(failed) == len(tried) else "warning"
+        which = "; ".join(f"{s.url}: {s.probe.error}" for s in failed)
+        found.append(Finding(
+            severity, "control-plane-reach",
+            ("no control plane answers: " if severity == "blocking" else "not answering: ")
+            + which, _reach_fix(failed)))
+    answered = [s for s in tried if s.probe.ok]
+    if answered:
+        found.append(Finding("ok", "control-plane-reach", "; ".join(
+            f"{s.url} answers in {s.probe.round_trip_s * 1000:.0f} ms" for s in answered)))
+        found.append(_skew(answered))
+    return found
+
+
+def _reach_fix(failed: Sequence[ServerFact]) -> str:
+    errors = " ".join(s.probe.error for s in failed if s.probe)
+    if "TLS" in errors:
+        return ("check that tls.ca_file is the cluster's CA and that the address matches "
+                "the server certificate's name")
+    if "refused" in errors:
+        return ("start llmgw server there (or check its listen.host/port); a firewall that "
+                "rejects would look the same")
+    return ("check that llmgw server runs at that address and that no firewall drops the "
+            "traffic (`curl URL/healthz` from this node)")
+
+
+def _skew(answered: Sequence[ServerFact]) -> Finding:
+    timed = [s for s in answered if s.probe.skew_s is not None]
+    if not timed:
+        return Finding("info", "clock-skew", "the control plane did not send its time (an "
+                       "older llmgw server): clock skew not measured")
+    worst = max(timed, key=lambda s: abs(s.probe.skew_s))
+    skew = worst.probe.skew_s
+    ahead = "behind" if skew > 0 else "ahead of"
+    told = (f"this node's clock is {abs(skew):.1f} s {ahead} the control plane's at "
+            f"{worst.url} (± {worst.probe.round_trip_s / 2:.2f} s)")
+    fix = ("enable NTP on both machines (chrony or systemd-timesyncd: "
+           "`timedatectl set-ntp true`) and check `chronyc tracking`")
+    if abs(skew) > SKEW_BLOCK_S:
+        return Finding("blocking", "clock-skew", f"{told}: over {SKEW_BLOCK_S:g} s, "
+                       "certificates and heartbeat timeouts break", fix)
+    if abs(skew) > SKEW_WARN_S:
+        return Finding("warning", "clock-skew", f"{told}: over {SKEW_WARN_S:g} s", fix)
+    return Finding("ok", "clock-skew", told)
+
+
+def _tls(f: Facts, config: AgentConfig | None) -> list[Finding]:
+    if config is None:
+        return []
+    if config.tls is None:
+        if any(s.url.startswith("https://") for s in f.servers):
+            return [Finding("warning", "tls-files", "an https control plane but no tls in "
+                            "agent.yaml: the agent has no certificate to present",
+                            "set tls.ca_file, tls.cert_file and tls.key_file")]
+        return []
+    tls = f.tls or TlsReport(())
+    found = []
+    for t in tls.files:
+        if t.error:
+            found.append(Finding("blocking", "tls-files",
+                                 f"tls.{t.role} {t.path} cannot be read: {t.error}",
+                                 _tls_fix(t, f.user)))
+        elif t.problem:
+            fix = (f"store it unencrypted (`openssl pkey -in {t.path} -out NEW.key`), readable "
+                   "by the agent only" if "encrypted" in t.problem
+                   else f"put the node's PEM file there, or fix tls.{t.role}")
+            found.append(Finding("blocking", "tls-files", f"tls.{t.role} {t.path} {t.problem}",
+                                 fix))
+    if tls.key_matches is False:
+        found.append(Finding("blocking", "tls-files", "tls.cert_file and tls.key_file do not "
+                             f"belong together: {tls.file('key_file').path} is not the key "
+                             f"{tls.file('cert_file').path} certifies",
+                             "use the key the certificate was issued for"))
+    if tls.issued_by_ca is False:
+        found.append(Finding("blocking", "tls-files", f"certificate {tls.file('cert_file').path} "
+                             f"is not issued by the CA in tls.ca_file "
+                             f"{tls.file('ca_file').path}: {tls.issuer_problem}",
+                             "issue the node a certificate from the cluster's CA, or point "
+                             "tls.ca_file at the CA that issued it"))
+    if tls.not_after is not None:
+        found.extend(_cert_dates(tls, f.now))
+    if not found and tls.files:
+        root = (" (read as root, who reads any file: run the doctor as the agent's user to "
+                "check its access)" if f.user.endswith("(uid 0)") else "")
+        found.append(Finding("ok", "tls-files", "CA, certificate and key readable; the "
+                             f"certificate names {tls.identity or 'no CN or URI'}, issued by "
+                             f"the CA, valid until {_day(tls.not_after)}{root}"))
+    return found
+
+
+def _tls_fix(t: TlsFile, user: str) -> str:
+    if t.errno == errno.ENOENT:
+        return f"copy the node's file to {t.path}, or correct tls.{t.role} in agent.yaml"
+    if t.errno == errno.EACCES:
+        mode = f"mode {t.mode:04o}" if t.mode is not None else "its mode"
+        return (f"it is owned by {t.owner or '?'} with {mode}, and the agent runs as "
+                f"{user or 'another user'}: `chown` it to the agent's user, or `chmod 0640` "
+                "it and add that user to its group (keep the key unreadable to others)")
+    if t.errno == errno.EISDIR:
+        return f"{t.path} is a directory: name the file inside it"
+    return f"check {t.path} and tls.{t.role} in agent.yaml"
+
+
+def _day(ts: float | None) -> str:
+    return "?" if ts is None else datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _cert_dates(tls: TlsReport, now: float) -> list[Finding]:
+    path = tls.file("cert_file").path
+    renew = "issue the node a new certificate and restart the agent"
+    if tls.not_before is not None and tls.not_before > now:
+        return [Finding("blocking", "tls-files", f"certificate {path} is not valid until "
+                        f"{_day(tls.not_before)}", "check this node's clock (NTP), or " + renew)]
+    left = tls.not_after - now
+    if left <= 0:
+        return [Finding("blocking", "tls-files",
+                        f"certificate {path} expired {_day(tls.not_after)}", renew)]
+    if left < CERT_WARN_S:
+        return [Finding("warning", "tls-files", f"certificate {path} expires "
+                        f"{_day(tls.not_after)}, in {left / 86400:.1f} days", renew)]
+    return []
+
+
+def can_run(facts: Facts, config: AgentConfig | None = None) -> list[Capability]:
+    """What this node can run, and why not where it cannot: the one table of it."""
+    disabled = set(config.disable_engines) if config else set()
+    configured = set(config.engines) if config else set()
+    report = facts.gpus
+    capabilities = [report.compute_capability.get(g.uuid) for g in report.gpus]
+    driver = _version(report.driver) if report.driver else None
+    disk = facts.engine_dir.free_mib
+
+    def gpu_engine(engine: str) -> tuple[bool, str]:
+        if not report.gpus:
+            return False, "no NVIDIA GPU"
+        floor = driver_floor(engine)
+        if driver is None or driver < _version(floor):
+            return False, f"driver {report.driver or '?'} is older than {floor}"
+        need = MIN_COMPUTE_CAPABILITY[engine]
+        fit = [cc for cc in capabilities if cc is None or cc >= need]
+        if not fit:
+            best = max(c for c in capabilities if c)
+            return False, (f"needs compute capability ≥ {need[0]}.{need[1]}; the best GPU "
+                           f"here is {best[0]}.{best[1]}")
+        if engine in _BIG_ENGINES and engine not in configured and (disk or 0) < VLLM_DISK_MIB:
+            return False, (f"installing it needs about {VLLM_DISK_MIB // _GIB} GiB; "
+                           f"{_gib(disk)} free on {facts.engine_dir.measured}")
+        return True, f"{len(fit)} GPU(s) fit, driver {report.driver}"
+
+    if _is_arm(facts.arch) or "avx2" in facts.cpu_flags:
+        cpu = (True, "vector extensions: " + (" ".join(facts.cpu_flags) or "none"))
+    elif _is_x86(facts.arch):
+        cpu = (True, "no AVX2: several times slower")
+    else:
+        cpu = (False, f"no build for {facts.arch}")
+    rows = [("sim", "", (True, "built into llmgw")), ("llama.cpp", "cpu", cpu),
+            ("llama.cpp", "cuda", gpu_engine("llama.cpp")), ("vllm", "", gpu_engine("vllm")),
+            ("sglang", "", gpu_engine("sglang")), ("comfyui", "", gpu_engine("comfyui"))]
+    return [Capability(engine, build, False, "disabled in agent.yaml (disable_engines)")
+            if engine in disabled else Capability(engine, build, ok, why)
+            for engine, build, (ok, why) in rows]
