@@ -181,6 +181,9 @@ class AgentConfig(_Config):
     disable_engines: list[str] = []
     weights: Weights = msgspec.field(default_factory=Weights)
     tls: AgentTls | None = None
+    # How often the agent looks at the node again (engines, RAM, GPUs, weights) and
+    # sends its inventory if something changed.
+    probe_interval_s: PositiveSeconds = 60.0
     reconnect: Reconnect = msgspec.field(default_factory=Reconnect)
     # `llmgw up` stops its engines with itself; a real node keeps them serving.
     stop_shards_on_exit: bool = False

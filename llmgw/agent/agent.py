@@ -17,10 +17,12 @@ import time
 import aiohttp
 
 from llmgw import __version__, wire
-from llmgw.agent.discovery import gpus, host
+from llmgw.agent.discovery import gpus, host, infiniband
 from llmgw.agent.runtime import ProcessRuntime
 from llmgw.agent.shards import ShardSupervisor
+from llmgw.agent.weights import WeightsStore
 from llmgw.config import AgentConfig
+from llmgw.core.inventory import inventory_changes
 from llmgw.engines import ADAPTERS, HELPER_BINARIES
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.node_id = config.node_id or host.hostname()
-        self.address = config.address or host.route_source_address(config.servers)
+        self.address = config.address or ""
         self.runtime = ProcessRuntime(config.state_dir)
         why = "no systemd runtime in this build" if config.runtime == "auto" else "configured"
         log.info("runtime: plain processes (%s); shard records and logs are under %s", why,
@@ -61,12 +63,32 @@ class Agent:
         self._gpu_note = ""
         self._connected = False
         self._rng = random.Random()
+        self.weights = WeightsStore.from_config(config.weights)
+        # The inventory the control plane has: a probe that finds it changed sends it.
+        self._inventory_sent: wire.Inventory | None = None
+        self._probe_now = asyncio.Event()
         self.supervisor = ShardSupervisor(
             self.runtime,
-            bind_address=self.address,
+            bind_address=self.address or "127.0.0.1",
             binaries={name: e.binary for name, e in config.engines.items()},
             report=self._send,
+            weights=self.weights,
+            weights_changed=self._probe_now.set,
         )
+
+    def _route(self) -> str:
+        """The address the control plane reaches us at: configured, or the source address
+        of the route to it, looked up again on every connection (a node's network may
+        change while the agent runs)."""
+        if self.config.address:
+            return self.config.address
+        address = host.route_source_address(self.config.servers)
+        if address != self.address:
+            if self.address:
+                log.info("this node's address changed: %s -> %s", self.address, address)
+            self.address = address
+            self.supervisor.set_bind_address(address)
+        return address
 
     def _send(self, message: wire.Up) -> None:
         # While disconnected nothing is queued: the next Register carries the whole state.
@@ -79,6 +101,11 @@ class Agent:
         if not found.gpus and found.note != self._gpu_note:
             log.info("no NVIDIA GPUs: %s", found.note)
         self._gpu_note = found.note
+        rdma = [wire.RdmaPort(adapter=p.adapter, port=p.port, state=p.state,
+                              rate_gbps=p.rate_gbps, link_layer=p.link_layer, guid=p.guid)
+                for p in infiniband.discover_infiniband()]
+        weights_dirs = self.weights.scan()
+        held = sorted({key for d in weights_dirs for key in d.held})
         engines = [wire.Engine(name="sim", version=__version__, state="installed")]
         for name, e in sorted(self.config.engines.items()):
             if name in HELPER_BINARIES:
@@ -90,8 +117,9 @@ class Agent:
                 engines.append(wire.Engine(name=name, version=e.version, state="failed",
                                            detail=f"this agent cannot launch {name}"))
         return wire.Inventory(
-            **facts, gpus=list(found.gpus), engines=engines, engines_probed=True,
-            fabric=self.config.fabric,
+            **facts, gpus=list(found.gpus), gpu_driver=found.driver, cuda=found.cuda,
+            engines=engines, engines_probed=True, fabric=self.config.fabric,
+            weights=held, weights_dirs=weights_dirs, rdma=rdma,
             labels=dict(self.config.labels),
             disabled_engines=sorted(self.config.disable_engines),
         )
@@ -102,15 +130,23 @@ class Agent:
         # counts it as taken until the stop is confirmed.
         return sorted(host.listening_ports(*self.config.port_range) - self.supervisor.own_ports())
 
-    def register(self) -> wire.Register:
+    def register(self, inventory: wire.Inventory) -> wire.Register:
         return wire.Register(
-            node_id=self.node_id, address=self.address, inventory=self.inventory(),
+            node_id=self.node_id, address=self.address, inventory=inventory,
             running=self.supervisor.running(), port_range=tuple(self.config.port_range),
             ports_busy=self.ports_busy(), agent_version=__version__,
         )
 
+    def heartbeat(self) -> wire.Heartbeat:
+        _, available = host.memory_mib()
+        free = [g.memory_free_mib for g in gpus.discover_gpus().gpus]
+        return wire.Heartbeat(ram_available_mib=available, gpu_memory_free_mib=free,
+                              weights_free_mib=self.weights.free_mib(),
+                              ports_busy=self.ports_busy(), sent_at=time.time())
+
     async def run(self) -> None:
         """Serve until cancelled."""
+        await asyncio.to_thread(self.weights.prepare)
         async with self.supervisor:
             adopted = await self.supervisor.adopt_running()
             if adopted:
@@ -135,6 +171,8 @@ class Agent:
                     reason = "the control plane closed the stream"
                 except StreamRefused as err:
                     reason = f"refused: {err}"
+                except host.NoRoute as err:
+                    reason = str(err)
                 except (aiohttp.ClientError, OSError, TimeoutError, wire.WireError) as err:
                     reason = f"{type(err).__name__}: {err}"
                 finally:
@@ -150,18 +188,22 @@ class Agent:
 
     async def _session(self, http: aiohttp.ClientSession, server: str) -> None:
         url = stream_url(server)
+        await asyncio.to_thread(self._route)
+        inventory = await asyncio.to_thread(self.inventory)
         async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20) as ws:
             # Queue reports from before the Register snapshot is taken, so that a shard
             # turning ready in between is reported after it, not lost.
             while not self._outbox.empty():
                 self._outbox.get_nowait()
             self._connected = True
-            await ws.send_bytes(wire.encode(self.register()))
+            await ws.send_bytes(wire.encode(self.register(inventory)))
+            self._inventory_sent = inventory
             welcome = wire.decode_down(await self._receive(ws))
             if not isinstance(welcome, wire.Welcome):
                 raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
             log.info("registered with %s as %s (%s)", server, self.node_id, self.address)
             sender = asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s))
+            prober = asyncio.create_task(self._probe_loop())
             try:
                 while True:
                     message = wire.decode_down(await self._receive(ws))
@@ -172,9 +214,10 @@ class Agent:
                     elif message is None:
                         log.info("skipping a message type this agent does not know")
             finally:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                    await sender
+                for task in (sender, prober):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                        await task
 
     @staticmethod
     async def _receive(ws: aiohttp.ClientWebSocketResponse) -> bytes:
@@ -197,9 +240,23 @@ class Agent:
             try:
                 message = await asyncio.wait_for(self._outbox.get(), timeout)
             except TimeoutError:
-                _, available = host.memory_mib()
-                free = [g.memory_free_mib for g in gpus.discover_gpus().gpus]
-                message = wire.Heartbeat(ram_available_mib=available, gpu_memory_free_mib=free,
-                                         ports_busy=self.ports_busy(), sent_at=time.time())
+                message = await asyncio.to_thread(self.heartbeat)
                 next_beat = time.monotonic() + interval_s
             await ws.send_bytes(wire.encode(message))
+
+    async def _probe_loop(self) -> None:
+        """Look at the node again now and then (and at once after weights were fetched),
+        and send the inventory when something placement reads has changed: a VM given more
+        RAM or a node given an engine becomes a candidate without an agent restart."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._probe_now.wait(), self.config.probe_interval_s)
+            self._probe_now.clear()
+            inventory = await asyncio.to_thread(self.inventory)
+            if self._inventory_sent is None:
+                continue
+            changes = inventory_changes(self._inventory_sent, inventory)
+            if changes:
+                log.info("inventory changed: %s", "; ".join(changes))
+                self._send(wire.InventoryUpdate(inventory=inventory))
+                self._inventory_sent = inventory

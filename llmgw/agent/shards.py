@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -21,6 +22,7 @@ import msgspec
 from llmgw import engines, wire
 from llmgw.agent.discovery import host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
+from llmgw.agent.weights import WeightsError, WeightsStore, model_path
 from llmgw.core.names import shard_unit
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,11 @@ _HEALTH_POLL_S = 0.1
 
 class ShardSupervisor:
     def __init__(self, runtime: Runtime, bind_address: str, binaries: dict[str, str],
-                 report: Report):
+                 report: Report, weights: WeightsStore | None = None,
+                 weights_changed: Callable[[], None] = lambda: None):
         self._runtime = runtime
+        self._weights = weights
+        self._weights_changed = weights_changed
         self._facts = engines.NodeFacts(bind_address, sys.executable, binaries)
         self._report = report
         self._tasks: dict[str, asyncio.Task] = {}
@@ -43,6 +48,9 @@ class ShardSupervisor:
         self._stopping_records: dict[str, ShardRecord] = {}
         self._background: set[asyncio.Task] = set()
         self._http: aiohttp.ClientSession | None = None
+
+    def set_bind_address(self, address: str) -> None:
+        self._facts = dataclasses.replace(self._facts, bind_address=address)
 
     async def __aenter__(self) -> ShardSupervisor:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
@@ -118,19 +126,45 @@ class ShardSupervisor:
         self._states[record.unit] = state
         self._report(self._status(record, state, **extra))
 
+    async def _weights_path(self, record: ShardRecord, msg: wire.StartShard) -> str | None:
+        """The path the engine loads: the profile's own, else weights held in a weights
+        directory, else fetched from the profile's source into one."""
+        profile = msg.profile
+        if profile.weights or self._weights is None:
+            return profile.weights
+        key = profile.weights_key or msg.model
+        directory = await asyncio.to_thread(self._weights.find, key)
+        if directory is None:
+            if not profile.source:
+                return None
+            log.info("%s: fetching %s from %s", record.unit, key, profile.source)
+
+            def progress(text: str) -> None:
+                self._report(self._status(record, "starting", detail=text))
+
+            directory = await self._weights.ensure(key, profile.source, list(profile.files),
+                                                   msg.model, progress)
+            self._weights_changed()
+        return str(model_path(directory, profile.engine))
+
     async def _run(self, unit: str, msg: wire.StartShard) -> None:
         profile = msg.profile
-        request = engines.ShardRequest(
-            replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
-            args=tuple(profile.args), env=tuple(sorted(profile.env.items())), port=msg.port,
-            gpus=tuple(msg.gpus), weights=profile.weights, leader_address=msg.leader_address,
-            rendezvous_port=msg.rendezvous_port, peers=tuple(msg.peers),
-            embeddings=profile.embeddings, launch_mode=profile.launch_mode,
-        )
         record = ShardRecord(
             unit=unit, replica=msg.replica, rank=msg.rank, world_size=msg.world_size,
             epoch=msg.epoch, model=msg.model, profile=profile.name, engine=profile.engine,
             startup_timeout_s=profile.startup_timeout_s,
+        )
+        try:
+            weights = await self._weights_path(record, msg)
+        except WeightsError as err:
+            self._report(self._status(record, "failed", detail=str(err)))
+            return
+        request = engines.ShardRequest(
+            replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
+            args=tuple(profile.args), env=tuple(sorted(profile.env.items())), port=msg.port,
+            gpus=tuple(msg.gpus), weights=weights, leader_address=msg.leader_address,
+            rendezvous_port=msg.rendezvous_port, peers=tuple(msg.peers),
+            embeddings=profile.embeddings, launch_mode=profile.launch_mode,
         )
         try:
             launch = engines.render(profile.engine, request, self._facts)

@@ -222,6 +222,15 @@ def nodes_undrain(args):
     _done(args, reply, f"{args.node} takes replicas again")
 
 
+def _weights_words(held: list[dict]) -> str:
+    """``ib-a: shared /lustre/w; ib-b: node3, node4``; "-" when no node holds them."""
+    parts = []
+    for entry in held:
+        where = [f"shared {p}" for p in entry["shared"]] + entry["nodes"]
+        parts.append(f"{entry['fabric'] or 'no fabric'}: {', '.join(where)}")
+    return "; ".join(parts) or "-"
+
+
 def status(args):
     reply = call(args, "GET", "/api/status")
     if args.json:
@@ -233,7 +242,7 @@ def status(args):
         models.add_column(column)
     for m in reply["models"]:
         models.add_row(m["name"], str(m["replicas_ready"]), str(m["replicas_wanted"]),
-                       str(m["priority"]), ", ".join(m["weights_in_fabrics"]) or "-",
+                       str(m["priority"]), _weights_words(m.get("weights", [])),
                        m["unplaced"] or "")
     console.print(models)
     replicas = Table(title="replicas", title_justify="left")

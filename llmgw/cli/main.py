@@ -9,8 +9,9 @@ import sys
 
 from llmgw import __version__
 from llmgw.cli import ctl as ctl_commands
-from llmgw.cli import engine_check
+from llmgw.cli import doctor, engine_check
 from llmgw.cli import store as store_commands
+from llmgw.cli import weights as weights_commands
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
 from llmgw.core.catalog import CatalogError
 
@@ -46,10 +47,17 @@ def _server(args: argparse.Namespace) -> int:
 
 def _agent(args: argparse.Namespace) -> int:
     from llmgw.agent.run import run_agent
+    from llmgw.agent.weights import WeightsError
 
     config = load(args.config, AgentConfig)
+    if args.check:
+        return doctor.run_check(config, args.json)
     _logging(config.log_level)
-    asyncio.run(run_agent(config))
+    try:
+        asyncio.run(run_agent(config))
+    except WeightsError as err:
+        print(f"llmgw agent: {args.config}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -77,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
                        description="Run the node agent: dial the control plane, run shards.")
     p.add_argument("--config", "-c", required=True, metavar="agent.yaml",
                    help="the agent's configuration file")
+    p.add_argument("--check", action="store_true",
+                   help="check this node (as `llmgw doctor`) and exit instead of running; "
+                   "exit code 1 when something blocks it")
+    p.add_argument("--json", action="store_true", help="with --check: print JSON")
     p.set_defaults(func=_agent)
 
     p = sub.add_parser("up", help="run everything on this machine",
@@ -103,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
     engine_check.add_parser(ctl)
     ctl_commands.add_parsers(ctl)
     store_commands.add_parser(sub)
+    doctor.add_parser(sub)
+    weights_commands.add_parser(sub)
     return top
 
 

@@ -134,6 +134,7 @@ def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
         address="127.0.0.1",
         state_dir=str(state / "agent"),
         engines=demo.engines,
+        weights=cfg.Weights(directories=[cfg.WeightsDirectory(path=str(state / "weights"))]),
         stop_shards_on_exit=True,
     )
     server_path, agent_path = state / "server.yaml", state / "agent.yaml"

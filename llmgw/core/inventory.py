@@ -117,3 +117,63 @@ def node_from_register(msg: wire.Register, state: NodeState, last_seen: float,
         weights=frozenset(inv.weights),
         last_seen=last_seen,
     )
+
+
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.0f} GiB" if mib >= 10 * 1024 else f"{mib / 1024:.1f} GiB"
+
+
+def _engine_words(e: wire.Engine) -> str:
+    return " ".join(filter(None, [e.name, e.version, e.state if e.state != "installed" else ""]))
+
+
+def inventory_changes(old: wire.Inventory, new: wire.Inventory) -> list[str]:
+    """What changed between two inventories, in words, leaving out what moves on every
+    heartbeat (free memory, free disk). Empty when nothing placement reads has changed."""
+    changes: list[str] = []
+    if old.ram_total_mib != new.ram_total_mib:
+        changes.append(f"RAM {_gib(old.ram_total_mib)} -> {_gib(new.ram_total_mib)}")
+    if old.cpu_count != new.cpu_count:
+        changes.append(f"CPUs {old.cpu_count} -> {new.cpu_count}")
+    if set(old.cpu_flags) != set(new.cpu_flags):
+        added = sorted(set(new.cpu_flags) - set(old.cpu_flags))
+        gone = sorted(set(old.cpu_flags) - set(new.cpu_flags))
+        changes.append("CPU extensions" + "".join(f" +{f}" for f in added)
+                       + "".join(f" -{f}" for f in gone))
+    old_gpus = [(g.name, g.memory_total_mib, g.uuid) for g in old.gpus]
+    new_gpus = [(g.name, g.memory_total_mib, g.uuid) for g in new.gpus]
+    if old_gpus != new_gpus:
+        changes.append(f"GPUs {len(old.gpus)} -> {len(new.gpus)}"
+                       + (f" ({new.gpus[0].name})" if new.gpus else ""))
+    if (old.gpu_driver, old.cuda) != (new.gpu_driver, new.cuda):
+        changes.append(f"NVIDIA driver {old.gpu_driver or 'none'} -> {new.gpu_driver or 'none'}")
+    old_engines = {e.name: e for e in old.engines}
+    new_engines = {e.name: e for e in new.engines}
+    for name in sorted(old_engines.keys() | new_engines.keys()):
+        was, now = old_engines.get(name), new_engines.get(name)
+        if was is None:
+            changes.append(f"engine +{_engine_words(now)}")
+        elif now is None:
+            changes.append(f"engine -{name}")
+        elif (was.version, was.state) != (now.version, now.state):
+            changes.append(f"engine {_engine_words(was)} -> {_engine_words(now)}")
+    for what, a, b in (("fabric", old.fabric, new.fabric),
+                       ("labels", old.labels, new.labels),
+                       ("disabled engines", old.disabled_engines, new.disabled_engines)):
+        if a != b:
+            changes.append(f"{what} {a or 'none'} -> {b or 'none'}")
+    added = sorted(set(new.weights) - set(old.weights))
+    gone = sorted(set(old.weights) - set(new.weights))
+    if added or gone:
+        changes.append("weights" + "".join(f" +{k}" for k in added)
+                       + "".join(f" -{k}" for k in gone))
+    old_dirs = [(d.path, d.shared) for d in old.weights_dirs]
+    new_dirs = [(d.path, d.shared) for d in new.weights_dirs]
+    if old_dirs != new_dirs:
+        changes.append("weights directories " + (", ".join(p for p, _ in new_dirs) or "none"))
+    old_ports = [(p.adapter, p.port, p.state, p.rate_gbps) for p in old.rdma]
+    new_ports = [(p.adapter, p.port, p.state, p.rate_gbps) for p in new.rdma]
+    if old_ports != new_ports:
+        active = sum(1 for p in new.rdma if p.state == "ACTIVE")
+        changes.append(f"RDMA ports {len(new.rdma)} ({active} active)")
+    return changes

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from llmgw.core.catalog import BUILTIN_ENGINES, Model, Profile
@@ -331,3 +331,33 @@ def place_replicas(model: Model, nodes: Iterable[Node], usage: Mapping[str, Node
         prefix = f"[{profile.name}] " if len(model.profiles) > 1 else ""
         refusals.extend(Refusal(r.node_id, prefix + r.reason) for r in why)
     return placements, tuple(refusals)
+
+
+def qualifications(models: Iterable[Model], node: Node) -> dict[str, str | None]:
+    """For each model: ``None`` when ``node``'s inventory lets it run some profile of the
+    model on its own (as if the node were idle and ready), else the first profile's reason.
+    Comparing two of these tells an operator why a model placed only now."""
+    idle = replace(node, state=NodeState.READY)
+    found: dict[str, str | None] = {}
+    for model in models:
+        reasons = []
+        for profile in model.profiles:
+            fit = _fit(model, profile, idle, NodeUsage(), 1)
+            if not isinstance(fit, str):
+                reasons = []
+                break
+            reasons.append(fit)
+        found[model.name] = reasons[0] if reasons else None
+    return found
+
+
+def newly_qualified(models: Iterable[Model], before: Node | None, after: Node) -> list[str]:
+    """Log lines for the models ``after`` can run that ``before`` could not, with what
+    stopped it before ("node05 now qualifies for qwen (before: needs 2 GPUs, has 1)")."""
+    if before is None:
+        return []  # a node seen for the first time is not news
+    models = tuple(models)
+    then = qualifications(models, before)
+    return [f"{after.id} now qualifies for {name} (before: {then[name]})"
+            for name, reason in qualifications(models, after).items()
+            if reason is None and then[name] is not None]

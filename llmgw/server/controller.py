@@ -22,8 +22,9 @@ import msgspec
 from llmgw import wire
 from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
-from llmgw.core.inventory import NodeState
+from llmgw.core.inventory import NodeState, inventory_changes, node_from_register
 from llmgw.core.names import replica_id
+from llmgw.core.placement import newly_qualified
 from llmgw.core.replicas import (
     Replica,
     ReplicaState,
@@ -214,9 +215,12 @@ class Controller:
     async def node_registered(self, msg: wire.Register, now: float
                               ) -> tuple[NodeSession, int]:
         async with self._lock:
+            before = self.sessions.get(msg.node_id)
+            old_inventory = before.register.inventory if before is not None else None
             session, connection = self.sessions.attach(msg, now)
             log.info("node %s registered from %s with %d running shard(s)", msg.node_id,
                      msg.address, len(msg.running))
+            self._log_inventory_change(msg, old_inventory)
             self._adopt(msg, now)
             self.sessions.refresh(now)
         await self.store.put_node(NodeRecord(
@@ -226,6 +230,38 @@ class Controller:
         self._changed()
         self.wake()
         return session, connection
+
+    async def inventory_changed(self, node_id: str, msg: wire.InventoryUpdate,
+                                now: float) -> None:
+        """A node's inventory changed while connected (more RAM, an engine, weights)."""
+        session = self.sessions.get(node_id)
+        if session is None:
+            return
+        old = session.register
+        self.sessions.update_inventory(node_id, msg.inventory, now)
+        self._log_inventory_change(self.sessions.get(node_id).register, old.inventory)
+        stored = await self.store.get_node(node_id)
+        await self.store.put_node(NodeRecord(
+            id=node_id, address=old.address, state=session.state.value,
+            inventory=_inventory_dict(msg.inventory),
+            registered_at=stored.registered_at if stored else _utc(now),
+            last_seen_at=_utc(now)))
+        self._changed()
+        self.wake()
+
+    def _log_inventory_change(self, msg: wire.Register, old: wire.Inventory | None) -> None:
+        # "The node now qualifies" answers why a model placed an hour after it was asked for.
+        if old is None:
+            return
+        changes = inventory_changes(old, msg.inventory)
+        if not changes:
+            return
+        log.info("node %s changed: %s", msg.node_id, "; ".join(changes))
+        state = NodeState.READY
+        before = node_from_register(msgspec.structs.replace(msg, inventory=old), state, 0.0)
+        after = node_from_register(msg, state, 0.0)
+        for line in newly_qualified(self.catalog.models, before, after):
+            log.info("%s", line)
 
     def _adopt(self, msg: wire.Register, now: float) -> None:
         reported = {(s.replica, s.rank) for s in msg.running}

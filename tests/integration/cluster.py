@@ -206,6 +206,7 @@ class Cluster:
             "state_dir": str(state),
             "port_range": list(free_port_block()),
             "reconnect": {"initial_s": 0.2, "max_s": 1.0},
+            "weights": {"directories": [{"path": str(state / "weights")}]},
             "log_level": "debug",
             **overrides,
         }

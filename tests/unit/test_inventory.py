@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from llmgw import wire
+from llmgw.core.catalog import Model, Profile
 from llmgw.core.inventory import (
     EngineStatus,
     Gpu,
     NodeLiveness,
     NodeState,
     Timeouts,
+    inventory_changes,
     node_from_register,
     node_state,
 )
+from llmgw.core.placement import newly_qualified, qualifications
 from tests.unit.shapes import LLAMA_DOWNLOADING, h100_8x80g
 
 TIMEOUTS = Timeouts(unreachable_after_s=15.0, lost_after_s=60.0)
@@ -107,3 +112,66 @@ def test_the_latest_heartbeat_updates_free_gpu_memory_and_busy_ports():
                              wire.Heartbeat(gpu_memory_free_mib=[5], ports_busy=[]))
     assert [g.memory_free_mib for g in odd.gpus] == [81000, 81000]
     assert node_from_register(msg, NodeState.READY, 0.0).ports_busy == frozenset({20001})
+
+
+# --- inventory changes and "now qualifies" ------------------------------------------------
+
+def _inventory(**fields) -> wire.Inventory:
+    base = dict(hostname="node05", ram_total_mib=31 * 1024, ram_available_mib=20_000,
+                cpu_count=8, cpu_flags=["avx", "avx2"])
+    return wire.Inventory(**{**base, **fields})
+
+
+def test_what_moves_every_heartbeat_is_not_a_change() -> None:
+    old = _inventory(gpus=[wire.Gpu(index=0, name="NVIDIA L4", memory_total_mib=23034,
+                                    memory_free_mib=22000)],
+                     weights_dirs=[wire.WeightsDir(path="/w", free_mib=100)])
+    new = _inventory(ram_available_mib=1_000,
+                     gpus=[wire.Gpu(index=0, name="NVIDIA L4", memory_total_mib=23034,
+                                    memory_free_mib=10)],
+                     weights_dirs=[wire.WeightsDir(path="/w", free_mib=5)])
+
+    assert inventory_changes(old, new) == []
+
+
+def test_changes_are_said_in_words() -> None:
+    old = _inventory(engines=[wire.Engine(name="llama.cpp", version="b10991")])
+    new = _inventory(ram_total_mib=64 * 1024,
+                     engines=[wire.Engine(name="llama.cpp", version="b11000"),
+                              wire.Engine(name="vllm", version="0.11.0")],
+                     weights=["org/q@main"])
+
+    assert inventory_changes(old, new) == [
+        "RAM 31 GiB -> 64 GiB",
+        "engine llama.cpp b10991 -> llama.cpp b11000",
+        "engine +vllm 0.11.0",
+        "weights +org/q@main",
+    ]
+
+
+def _register(inventory: wire.Inventory) -> wire.Register:
+    return wire.Register(node_id="node05", address="10.0.0.5", inventory=inventory)
+
+
+def test_a_node_given_an_engine_now_qualifies_and_says_what_stopped_it() -> None:
+    model = Model("qwen-7b", (Profile("gpu", "vllm", gpus=1),))
+    gpu = wire.Gpu(index=0, name="NVIDIA L4", memory_total_mib=23034, memory_free_mib=22000)
+    before = node_from_register(_register(_inventory(gpus=[gpu])), NodeState.READY, 0)
+    after = node_from_register(
+        _register(_inventory(gpus=[gpu], engines=[wire.Engine(name="vllm", version="0.11")])),
+        NodeState.READY, 0)
+
+    assert newly_qualified([model], before, after) == [
+        "node05 now qualifies for qwen-7b (before: vllm is not installed)"]
+    assert newly_qualified([model], after, after) == []
+    # A node seen for the first time is not news.
+    assert newly_qualified([model], None, after) == []
+
+
+def test_qualifying_ignores_what_runs_and_the_nodes_state() -> None:
+    model = Model("big", (Profile("tp8", "vllm", gpus=8),))
+    node = h100_8x80g("node1", state=NodeState.UNREACHABLE)
+
+    assert qualifications([model], node) == {"big": None}
+    assert qualifications([model], replace(node, gpus=node.gpus[:4])) == {
+        "big": "needs 8 GPUs, has 4"}

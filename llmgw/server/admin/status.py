@@ -23,15 +23,11 @@ async def status(request: Request) -> dict:
         for r in sorted(controller.replicas.values(), key=lambda r: r.id)
     ]
     sessions = controller.sessions.all()
-
-    def fabrics_holding(model: str) -> list[str]:
-        # Per fabric: weights in one fabric are no use in another without a slow copy.
-        return sorted({s.register.inventory.fabric for s in sessions
-                       if model in s.register.inventory.weights and s.register.inventory.fabric})
-
     models = [
         {"name": m.name, "replicas_wanted": m.replicas, "priority": m.priority,
-         "weights_in_fabrics": fabrics_holding(m.name),
+         "weights_in_fabrics": sorted({h["fabric"] for h in weights_held(m, sessions)
+                                       if h["fabric"]}),
+         "weights": weights_held(m, sessions),
          "replicas_ready": sum(1 for r in controller.replicas.values()
                                if r.model == m.name and r.state.value == "ready"),
          "unplaced": controller.unplaced.get(m.name)}
@@ -41,6 +37,28 @@ async def status(request: Request) -> dict:
     logins = {"tracked_addresses": len(state.throttle),
               "throttle_capacity": state.throttle.capacity, **state.hasher.stats()}
     return {"nodes": nodes, "replicas": replicas, "models": models, "logins": logins}
+
+
+def weights_held(model, sessions) -> list[dict]:
+    """Where the model's weights are, per fabric: weights in one fabric are no use in
+    another without a slow copy over the management network. A shared filer counts once,
+    however many nodes see it."""
+    keys = {model.weights_key(p) for p in model.profiles}
+    fabrics: dict[str | None, dict] = {}
+    for session in sessions:
+        inv = session.register.inventory
+        for directory in inv.weights_dirs or [None]:
+            held = set(directory.held) if directory else set(inv.weights)
+            if not held & keys:
+                continue
+            entry = fabrics.setdefault(inv.fabric, {"fabric": inv.fabric, "nodes": [],
+                                                    "shared": []})
+            if directory is not None and directory.shared:
+                if directory.path not in entry["shared"]:
+                    entry["shared"].append(directory.path)
+            elif session.node_id not in entry["nodes"]:
+                entry["nodes"].append(session.node_id)
+    return sorted(fabrics.values(), key=lambda e: (e["fabric"] is None, e["fabric"] or ""))
 
 
 ROUTES = [status]

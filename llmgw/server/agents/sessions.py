@@ -11,6 +11,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import msgspec
+
 from llmgw import wire
 from llmgw.core.inventory import Node, NodeLiveness, NodeState, Timeouts, node_from_register
 from llmgw.core.inventory import node_state as compute_state
@@ -90,6 +92,12 @@ class NodeSessions:
         if session is not None:
             session.live.last_seen = now
             session.last_heartbeat = msg
+
+    def update_inventory(self, node_id: str, inventory: wire.Inventory, now: float) -> None:
+        session = self._sessions.get(node_id)
+        if session is not None:
+            session.live.last_seen = now
+            session.register = msgspec.structs.replace(session.register, inventory=inventory)
 
     def send(self, node_id: str, message: wire.Down) -> bool:
         session = self._sessions.get(node_id)

@@ -70,6 +70,8 @@ async def agent_stream(socket: WebSocket) -> None:
             now = time.time()
             if isinstance(message, wire.Heartbeat):
                 controller.sessions.heartbeat(msg.node_id, message, now)
+            elif isinstance(message, wire.InventoryUpdate):
+                await controller.inventory_changed(msg.node_id, message, now)
             elif isinstance(message, wire.ShardStatus):
                 controller.sessions.seen(msg.node_id, now)
                 controller.shard_status(msg.node_id, message, now)
