@@ -204,11 +204,15 @@ def nodes_list(args):
         engines = ", ".join(f"{e['name']} {e['state']}" + (f" ({e['detail']})" if e['detail']
                             and e['state'] not in ("installed", "configured") else "")
                             for e in n["engines"])
+        disk = ", ".join(f"{d['path']} {d['free_mib'] / 1024:.0f} GiB free"
+                         + (" (shared)" if d["shared"] else "")
+                         for d in n.get("weights_dirs", []))
         rows.append({"node": n["id"], "state": n["state"], "address": n["address"],
                      "fabric": n["fabric"], "gpus": len(n["gpus"]), "engines": engines,
-                     "replicas": ", ".join(n["replicas"]), "warnings": "; ".join(n["warnings"])})
-    _print(args, rows, ["node", "state", "address", "fabric", "gpus", "engines", "replicas",
-                        "warnings"], "nodes")
+                     "weights": disk, "replicas": ", ".join(n["replicas"]),
+                     "warnings": "; ".join(n["warnings"])})
+    _print(args, rows, ["node", "state", "address", "fabric", "gpus", "engines", "weights",
+                        "replicas", "warnings"], "nodes")
 
 
 def nodes_drain(args):

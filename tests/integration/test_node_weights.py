@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -172,3 +173,22 @@ def test_a_fetch_that_fails_fails_the_shard_with_the_reason(make_cluster):
                         30, "the checksum failure to be reported")
         assert "sha256 mismatch" in line and "fetching sim-fetched" in line
         assert not any(p.name.startswith(".partial-") for p in (c.root / "w").iterdir())
+
+
+def test_nodes_report_each_weights_directory_with_its_free_space(make_cluster, tmp_path):
+    c = make_cluster(models=[{"name": HELD, "replicas": 0, "profiles": [{"engine": "sim"}]}])
+    c.start_server()
+    local = tmp_path / "local-weights"
+    c.add_agent("node-a", weights={"directories": [{"path": str(local)},
+                                                   {"path": str(tmp_path / "filer"),
+                                                    "shared": True}]})
+    wait_for(lambda: c.node_state("node-a") == "ready", 15, "node-a")
+    listed = _llmgw("ctl", "nodes", "list", "--json", "--server", c.base_url,
+                    "--token", c.admin_token)
+    assert listed.returncode == 0, listed.stderr
+    [node] = json.loads(listed.stdout)
+    dirs = node["weights_dirs"]
+    assert [(d["path"], d["shared"]) for d in dirs] == [(str(local), False),
+                                                        (str(tmp_path / "filer"), True)]
+    # Created at start, so the first heartbeat already reports their disk.
+    assert local.is_dir() and all(d["free_mib"] > 0 and d["total_mib"] > 0 for d in dirs)

@@ -15,6 +15,10 @@ def node_json(session, replicas) -> dict:
     if flags and "avx2" not in flags and not flags & {"neon", "asimd"}:
         warnings.append("CPU without AVX2: CPU engines run several times slower; on a VM, "
                         "give it the host's CPU model (e.g. QEMU -cpu host)")
+    beat = session.last_heartbeat
+    free = beat.weights_free_mib if beat else []
+    if len(free) != len(inv.weights_dirs):  # the heartbeat lists them in inventory order
+        free = [d.free_mib for d in inv.weights_dirs]
     return {
         "id": session.node_id,
         "address": session.register.address,
@@ -27,6 +31,12 @@ def node_json(session, replicas) -> dict:
                      "detail": e.detail} for e in inv.engines],
         "disabled_engines": inv.disabled_engines,
         "weights": inv.weights,
+        "weights_dirs": [{"path": d.path, "shared": d.shared, "total_mib": d.total_mib,
+                          "free_mib": f, "held": d.held, "note": d.note}
+                         for d, f in zip(inv.weights_dirs, free, strict=True)],
+        "gpu_driver": inv.gpu_driver, "cuda": inv.cuda,
+        "rdma": [{"adapter": p.adapter, "port": p.port, "state": p.state,
+                  "rate_gbps": p.rate_gbps, "link_layer": p.link_layer} for p in inv.rdma],
         "replicas": sorted(r.id for r in replicas
                            if any(s.node_id == session.node_id for s in r.shards)),
         "warnings": warnings,
