@@ -179,6 +179,7 @@ def test_nodes_report_each_weights_directory_with_its_free_space(make_cluster, t
     c = make_cluster(models=[{"name": HELD, "replicas": 0, "profiles": [{"engine": "sim"}]}])
     c.start_server()
     local = tmp_path / "local-weights"
+    (tmp_path / "filer").mkdir()  # a mounted filer; the agent creates only local ones
     c.add_agent("node-a", weights={"directories": [{"path": str(local)},
                                                    {"path": str(tmp_path / "filer"),
                                                     "shared": True}]})

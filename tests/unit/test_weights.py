@@ -21,11 +21,11 @@ from llmgw.agent.weights import (
     MANIFEST,
     WeightsError,
     WeightsStore,
-    _fraction,
     model_path,
     read_manifest,
     write_manifest,
 )
+from llmgw.agent.weights.fetch import fraction
 from llmgw.cli.weights import main
 from llmgw.core.weights import directory_name
 
@@ -245,6 +245,14 @@ def test_prepare_creates_directories_and_reports_what_it_could_not(tmp_path):
     assert s.prepare() == [f"cannot create {tmp_path / 'file' / 'sub'}: Not a directory"]
 
 
+def test_prepare_never_creates_a_shared_directory_that_is_not_there(tmp_path):
+    s = store((tmp_path / "local", False), (tmp_path / "nfs", True))
+    note = f"shared directory {tmp_path / 'nfs'} is missing: is the filer mounted?"
+    assert s.prepare() == [f"created {tmp_path / 'local'}", note]
+    assert not (tmp_path / "nfs").exists()
+    assert [d.note for d in s.scan()] == ["", note]
+
+
 def test_prepare_removes_unfinished_downloads_only_where_no_other_node_writes(tmp_path):
     for d in ("local", "filer"):
         (tmp_path / d / ".partial-m--abc-1234" / "sub").mkdir(parents=True)
@@ -384,9 +392,9 @@ def test_model_path_refusals(tmp_path, names, message):
 
 
 def test_progress_figures():
-    assert _fraction(3_100_000_000, 15_200_000_000) == "3.1/15.2 GB"
-    assert _fraction(0, 1_000_000_000) == "0.0/1.0 GB"
-    assert _fraction(250_000_000, 999_000_000) == "250.0/999.0 MB"
+    assert fraction(3_100_000_000, 15_200_000_000) == "3.1/15.2 GB"
+    assert fraction(0, 1_000_000_000) == "0.0/1.0 GB"
+    assert fraction(250_000_000, 999_000_000) == "250.0/999.0 MB"
 
 
 # --- llmgw weights -------------------------------------------------------------------------
