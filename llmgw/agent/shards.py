@@ -15,12 +15,14 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import msgspec
+import psutil
 
 from llmgw import engines, wire
-from llmgw.agent.discovery import host
+from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.weights import WeightsError, WeightsStore, model_path
 from llmgw.core.names import shard_unit
@@ -30,13 +32,16 @@ log = logging.getLogger(__name__)
 Report = Callable[[wire.ShardStatus], None]
 
 _HEALTH_POLL_S = 0.1
+# How long after its health check answers a GPU shard may take to show on its GPUs.
+_GPU_SETTLE_S = 5.0
 
 
 class ShardSupervisor:
     def __init__(self, runtime: Runtime, bind_address: str, binaries: dict[str, str],
                  report: Report, weights: WeightsStore | None = None,
-                 weights_changed: Callable[[], None] = lambda: None):
+                 weights_changed: Callable[[], None] = lambda: None, nvml: Any = None):
         self._runtime = runtime
+        self._nvml = nvml  # pynvml unless a test gives an NVML-shaped fake
         self._weights = weights
         self._weights_changed = weights_changed
         self._facts = engines.NodeFacts(bind_address, sys.executable, binaries)
@@ -152,7 +157,7 @@ class ShardSupervisor:
         record = ShardRecord(
             unit=unit, replica=msg.replica, rank=msg.rank, world_size=msg.world_size,
             epoch=msg.epoch, model=msg.model, profile=profile.name, engine=profile.engine,
-            startup_timeout_s=profile.startup_timeout_s,
+            startup_timeout_s=profile.startup_timeout_s, gpus=tuple(msg.gpus),
         )
         try:
             weights = await self._weights_path(record, msg)
@@ -198,6 +203,14 @@ class ShardSupervisor:
         exit_task = asyncio.create_task(self._runtime.wait_exit(record.unit))
         try:
             ready = await self._until_ready(record, exit_task, startup_timeout_s)
+            off_gpu = await self._gpus_not_held(record) if ready and not adopted else []
+            if off_gpu:
+                self._finish(record, f"answers its health check but holds no memory on GPU "
+                             f"{', '.join(map(str, off_gpu))} (of {_indices(record.gpus)}): "
+                             "it is running on the CPU; check the engine's CUDA build "
+                             "against the driver (llmgw doctor)", None)
+                await self._runtime.stop(record.unit)
+                return
             if ready:
                 self._set(record, "ready")
                 code = await exit_task
@@ -210,6 +223,26 @@ class ShardSupervisor:
             self._finish(record, "exited" if code is None else f"exited with code {code}", code)
         finally:
             exit_task.cancel()
+
+    async def _gpus_not_held(self, record: ShardRecord) -> list[int]:
+        """The GPUs given to the shard that none of its processes holds memory on. An
+        engine whose CUDA backend fails to load may fall back to the CPU and answer its
+        health check all the same (llama.cpp does): ready would be a lie."""
+        if not record.gpus:
+            return []
+        missing: list[int] | None = []
+        deadline = time.monotonic() + _GPU_SETTLE_S
+        while True:
+            pids = await asyncio.to_thread(_process_tree, record.pid)
+            report = await asyncio.to_thread(gpus.discover_gpus, self._nvml)
+            missing = gpus.gpus_not_held(report, record.gpus, pids)
+            if missing is None:
+                log.info("%s: NVML cannot tell which processes use GPUs %s; not checking",
+                         record.unit, _indices(record.gpus))
+                return []
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            await asyncio.sleep(_HEALTH_POLL_S * 5)
 
     async def _until_ready(self, record: ShardRecord, exit_task: asyncio.Task,
                            timeout_s: float) -> bool:
@@ -289,6 +322,19 @@ async def _all_accept(addresses: tuple[str, ...], timeout_s: float) -> bool:
         if waiting:
             await asyncio.sleep(_HEALTH_POLL_S)
     return not waiting
+
+
+def _indices(gpus: tuple[int, ...]) -> str:
+    return ", ".join(map(str, gpus))
+
+
+def _process_tree(pid: int) -> set[int]:
+    """``pid`` and every process below it (engines spawn workers that hold the GPUs)."""
+    try:
+        root = psutil.Process(pid)
+        return {pid, *(p.pid for p in root.children(recursive=True))}
+    except psutil.Error:
+        return {pid}
 
 
 def _hostport(host: str, port: int) -> str:

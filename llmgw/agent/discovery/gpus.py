@@ -124,6 +124,22 @@ def _read(nvml: Any) -> GpuReport:
                      compute_capability=capability, processes=processes)
 
 
+def gpus_not_held(report: GpuReport, indices: tuple[int, ...], pids: set[int]
+                  ) -> list[int] | None:
+    """Of the GPUs at ``indices`` (PCI bus order), those on which none of ``pids`` runs.
+    ``None`` when NVML cannot tell for one of them (no such GPU, or no process list, as
+    inside some containers): then nobody can say, and the caller should not guess."""
+    by_index = {g.index: g for g in report.gpus}
+    missing = []
+    for index in indices:
+        gpu = by_index.get(index)
+        if gpu is None or gpu.uuid not in report.processes:
+            return None
+        if not {p.pid for p in report.processes[gpu.uuid]} & pids:
+            missing.append(index)
+    return missing
+
+
 # --- a fake NVML for tests and dry runs ----------------------------------------------------
 
 
