@@ -70,6 +70,18 @@ class Controller(_Config):
     adoption_grace_s: PositiveSeconds = 30.0
 
 
+class Sidecar(_Config):
+    """A helper process a shard needs beside its engine (a proxy, an embedding service):
+    started first, on the same node, stopped with the engine."""
+
+    name: str
+    command: Annotated[list[str], msgspec.Meta(min_length=1)]
+    env: dict[str, str] = {}
+    # Ready once this port accepts connections on 127.0.0.1; without one, once it runs.
+    port: Port | None = None
+    startup_timeout_s: PositiveSeconds = 120.0
+
+
 class Profile(_Config):
     engine: str
     name: str = "default"
@@ -94,6 +106,7 @@ class Profile(_Config):
     # A CPU engine on a CPU without AVX2 runs several times slower: a warning by default,
     # a refusal with this set.
     require_avx2: bool = False
+    sidecars: list[Sidecar] = []
 
 
 class Selector(_Config):

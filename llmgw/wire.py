@@ -173,6 +173,14 @@ class Welcome(_Struct, tag="welcome", tag_field="type"):
     protocol: int = PROTOCOL_VERSION
 
 
+class Sidecar(_Struct):
+    name: str
+    command: list[str]
+    env: dict[str, str] = {}
+    port: int | None = None
+    startup_timeout_s: float = 120.0
+
+
 class ShardProfile(_Struct):
     """What an engine needs to know of the model's profile to launch one shard."""
 
@@ -187,6 +195,7 @@ class ShardProfile(_Struct):
     startup_timeout_s: float = 600.0
     embeddings: bool = False
     launch_mode: str = "mp"
+    sidecars: list[Sidecar] = []
 
 
 class StartShard(_Struct, tag="start_shard", tag_field="type"):

@@ -26,6 +26,7 @@ from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.weights import WeightsError, WeightsStore, model_path
 from llmgw.core.names import shard_unit
+from llmgw.engines.base import gpu_env
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ShardSupervisor:
         self._report = report
         self._tasks: dict[str, asyncio.Task] = {}
         self._records: dict[str, ShardRecord] = {}
+        self._sidecars: dict[str, list[ShardRecord]] = {}  # engine unit -> its sidecars
         self._states: dict[str, wire.ShardState] = {}
         self._stopping: set[str] = set()
         self._stopping_records: dict[str, ShardRecord] = {}
@@ -82,8 +84,14 @@ class ShardSupervisor:
 
     async def adopt_running(self) -> int:
         """Take over the shards an earlier agent started; none of them is restarted."""
-        for record in await self._runtime.running():
-            if record.unit in self._records:
+        found = await self._runtime.running()
+        for record in found:
+            if record.sidecar_of:
+                known = self._sidecars.setdefault(record.sidecar_of, [])
+                if all(r.unit != record.unit for r in known):
+                    known.append(record)
+        for record in found:
+            if record.unit in self._records or record.sidecar_of:
                 continue
             log.info("adopting %s (pid %d) left running by an earlier agent", record.unit,
                      record.pid)
@@ -113,7 +121,8 @@ class ShardSupervisor:
         self._spawn(self._stop(unit, msg))
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self._stop(u, None) for u in list(self._records)))
+        units = set(self._records) | set(self._sidecars)
+        await asyncio.gather(*(self._stop(u, None) for u in units))
 
     def _spawn(self, coro) -> None:
         # Keep a reference: the loop holds tasks only weakly.
@@ -182,6 +191,7 @@ class ShardSupervisor:
                 raise ShardStartError(
                     f"port {launch.port} is already in use by another process on this node; "
                     "the control plane will place the shard on another port")
+            await self._start_sidecars(record, msg)
             if launch.wait_for:
                 self._report(self._status(record, "starting", detail="waiting for "
                                           + ", ".join(launch.wait_for)))
@@ -191,6 +201,7 @@ class ShardSupervisor:
                         f"{profile.startup_timeout_s:g} s")
             record = await self._runtime.start(record, launch.argv, launch.env)
         except (engines.EngineError, ShardStartError) as err:
+            await self._stop_sidecars(unit)
             self._report(self._status(record, "failed", detail=str(err)))
             return
         log.info("started %s (pid %d): %s", unit, record.pid, " ".join(launch.argv))
@@ -198,9 +209,54 @@ class ShardSupervisor:
         self._set(record, "starting")
         await self._watch(record, adopted=False)
 
+    async def _start_sidecars(self, record: ShardRecord, msg: wire.StartShard) -> None:
+        """Start the profile's sidecars, in order, each ready before the next; the engine
+        starts only after all of them."""
+        for sc in msg.profile.sidecars:
+            sidecar = msgspec.structs.replace(
+                record, unit=f"{record.unit}-{sc.name}", engine=f"sidecar {sc.name}",
+                port=sc.port, health_path=None, tcp_ready=sc.port is not None, gpus=(),
+                startup_timeout_s=sc.startup_timeout_s, sidecar_of=record.unit)
+            self._report(self._status(record, "starting", detail=f"starting sidecar {sc.name}"))
+            env = {**gpu_env(tuple(msg.gpus)), **sc.env}
+            sidecar = await self._runtime.start(sidecar, tuple(sc.command), env)
+            self._sidecars.setdefault(record.unit, []).append(sidecar)
+            log.info("started sidecar %s (pid %d): %s", sidecar.unit, sidecar.pid,
+                     " ".join(sc.command))
+            if sc.port is None:
+                continue
+            exited = asyncio.create_task(self._runtime.wait_exit(sidecar.unit))
+            try:
+                ready = await _all_accept((f"127.0.0.1:{sc.port}",), sc.startup_timeout_s,
+                                          exited.done)
+            finally:
+                exited.cancel()
+            if not ready:
+                why = "exited" if exited.done() and not exited.cancelled() else (
+                    f"did not accept connections on 127.0.0.1:{sc.port} within "
+                    f"{sc.startup_timeout_s:g} s")
+                tail = " | ".join(self._runtime.output_tail(sidecar.unit, 3))
+                raise ShardStartError(f"sidecar {sc.name} {why}; its last output: {tail}")
+
+    async def _stop_sidecars(self, unit: str) -> None:
+        for sidecar in reversed(self._sidecars.pop(unit, [])):
+            await self._runtime.stop(sidecar.unit)
+
+    async def _first_exit(self, record: ShardRecord) -> tuple[str, int | None]:
+        """Wait until the engine or one of its sidecars exits: (that unit, exit code)."""
+        units = [record.unit, *(s.unit for s in self._sidecars.get(record.unit, []))]
+        waits = {asyncio.create_task(self._runtime.wait_exit(u)): u for u in units}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            first = done.pop()
+            return waits[first], first.result()
+        finally:
+            for task in waits:
+                task.cancel()
+
     async def _watch(self, record: ShardRecord, adopted: bool) -> None:
         startup_timeout_s = record.startup_timeout_s
-        exit_task = asyncio.create_task(self._runtime.wait_exit(record.unit))
+        exit_task = asyncio.create_task(self._first_exit(record))
         try:
             ready = await self._until_ready(record, exit_task, startup_timeout_s)
             off_gpu = await self._gpus_not_held(record) if ready and not adopted else []
@@ -213,14 +269,17 @@ class ShardSupervisor:
                 return
             if ready:
                 self._set(record, "ready")
-                code = await exit_task
+                unit, code = await exit_task
             elif exit_task.done():
-                code = exit_task.result()
+                unit, code = exit_task.result()
             else:
                 self._finish(record, f"not ready after {startup_timeout_s:g} s", None)
                 await self._runtime.stop(record.unit)
                 return
-            self._finish(record, "exited" if code is None else f"exited with code {code}", code)
+            how = "exited" if code is None else f"exited with code {code}"
+            if unit != record.unit:
+                how = f"sidecar {unit.removeprefix(record.unit + '-')} {how}"
+            self._finish(record, how, code)
         finally:
             exit_task.cancel()
 
@@ -273,11 +332,17 @@ class ShardSupervisor:
         log.warning("%s %s; last output:\n%s", record.unit, how, "\n".join(tail[-5:]))
         self._report(self._status(record, "failed", detail=how, exit_code=code,
                                   output_tail=tail))
-        self._spawn(self._runtime.stop(record.unit))
+        self._spawn(self._stop_units(record.unit))
+
+    async def _stop_units(self, unit: str) -> None:
+        """The engine, then its sidecars."""
+        await self._runtime.stop(unit)
+        await self._stop_sidecars(unit)
 
     def own_ports(self) -> set[int]:
         """Ports our shards hold, those still stopping included."""
-        records = [*self._records.values(), *self._stopping_records.values()]
+        records = [*self._records.values(), *self._stopping_records.values(),
+                   *(s for group in self._sidecars.values() for s in group)]
         return {r.port for r in records if r.port is not None}
 
     async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:
@@ -291,7 +356,7 @@ class ShardSupervisor:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await self._runtime.stop(unit)
+            await self._stop_units(unit)
         finally:
             self._stopping.discard(unit)
             self._stopping_records.pop(unit, None)
@@ -313,11 +378,12 @@ async def _accepts(address: str) -> bool:
     return True
 
 
-async def _all_accept(addresses: tuple[str, ...], timeout_s: float) -> bool:
-    """Whether every address accepts a connection before the deadline."""
+async def _all_accept(addresses: tuple[str, ...], timeout_s: float,
+                      gave_up: Callable[[], bool] = lambda: False) -> bool:
+    """Whether every address accepts a connection before the deadline (or ``gave_up``)."""
     deadline = time.monotonic() + timeout_s
     waiting = list(addresses)
-    while waiting and time.monotonic() < deadline:
+    while waiting and time.monotonic() < deadline and not gave_up():
         waiting = [a for a in waiting if not await _accepts(a)]
         if waiting:
             await asyncio.sleep(_HEALTH_POLL_S)

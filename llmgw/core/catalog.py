@@ -20,6 +20,15 @@ class CatalogError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Sidecar:
+    name: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    port: int | None = None
+    startup_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str
     engine: str
@@ -38,6 +47,7 @@ class Profile:
     embeddings: bool = False
     launch_mode: str = "mp"
     require_avx2: bool = False
+    sidecars: tuple[Sidecar, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +112,16 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
             raise CatalogError(f"{at}: {err}") from None
         if files and not p.source:
             raise CatalogError(f"{at}.files is set but source is not; name the repository")
+        sidecars = []
+        for k, sc in enumerate(p.sidecars):
+            try:
+                check_element(sc.name, "sidecar name")
+            except NameRuleError as err:
+                raise CatalogError(f"{at}.sidecars[{k}].name: {err}") from None
+            if sc.name in {s.name for s in sidecars}:
+                raise CatalogError(f"{at}.sidecars[{k}].name: {sc.name!r} is used twice")
+            sidecars.append(Sidecar(sc.name, tuple(sc.command), tuple(sorted(sc.env.items())),
+                                    sc.port, sc.startup_timeout_s))
         profiles.append(
             Profile(
                 name=p.name,
@@ -119,6 +139,7 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 embeddings=p.embeddings,
                 launch_mode=p.launch_mode,
                 require_avx2=p.require_avx2,
+                sidecars=tuple(sidecars),
             )
         )
     return Model(

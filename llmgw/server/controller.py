@@ -181,7 +181,11 @@ class Controller:
                     env=dict(profile.env), weights=profile.weights, source=profile.source,
                     files=list(profile.files), weights_key=model.weights_key(profile),
                     startup_timeout_s=profile.startup_timeout_s,
-                    embeddings=profile.embeddings, launch_mode=profile.launch_mode),
+                    embeddings=profile.embeddings, launch_mode=profile.launch_mode,
+                    sidecars=[wire.Sidecar(name=sc.name, command=list(sc.command),
+                                           env=dict(sc.env), port=sc.port,
+                                           startup_timeout_s=sc.startup_timeout_s)
+                              for sc in profile.sidecars]),
                 port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
                 rendezvous_port=placement.rendezvous_port, peers=peers,
             )

@@ -28,6 +28,8 @@ class ShardRecord(msgspec.Struct, kw_only=True, frozen=True):
     startup_timeout_s: float = 600.0
     # The node's GPUs this shard was given (PCI bus order); ready means it holds each.
     gpus: tuple[int, ...] = ()
+    # For a sidecar: the unit of the engine it serves (started before it, stopped with it).
+    sidecar_of: str = ""
     pid: int = 0
     # The process's start time, so a recycled PID is never mistaken for our shard.
     started_at: float = 0.0
