@@ -185,7 +185,10 @@ class AgentConfig(_Config):
     node_id: str | None = None
     address: str | None = None
     state_dir: str = "/var/lib/llmgw-agent"
-    runtime: Literal["auto", "process"] = "auto"
+    # systemd: transient units on the manager at systemd_bus; process: plain children;
+    # auto: systemd where a manager answers there, else processes (logged).
+    runtime: Literal["auto", "process", "systemd"] = "auto"
+    systemd_bus: str = "unix:path=/run/systemd/private"
     port_range: tuple[Port, Port] = (20000, 20999)
     fabric: str | None = None
     labels: dict[str, str] = {}

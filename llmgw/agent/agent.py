@@ -18,7 +18,13 @@ import aiohttp
 
 from llmgw import __version__, wire
 from llmgw.agent.discovery import gpus, host, infiniband
-from llmgw.agent.runtime import ProcessRuntime
+from llmgw.agent.runtime import (
+    ManagerUnreachable,
+    ProcessRuntime,
+    Runtime,
+    SystemdRuntime,
+    available,
+)
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.agent.weights import WeightsStore
 from llmgw.config import AgentConfig
@@ -50,15 +56,30 @@ def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Rand
     return rng.uniform(0, min(max_s, initial_s * 2 ** min(attempt, 32)))
 
 
+async def choose_runtime(config: AgentConfig) -> Runtime:
+    """systemd units where a manager answers on the configured bus (required with
+    ``runtime: systemd``), else plain processes; the log says which and why."""
+    if config.runtime != "process":
+        why_not = await available(config.systemd_bus)
+        if why_not is None:
+            log.info("runtime: systemd transient units via %s", config.systemd_bus)
+            return SystemdRuntime(config.systemd_bus, config.state_dir)
+        if config.runtime == "systemd":
+            raise ManagerUnreachable(f"runtime: systemd, but {why_not}")
+        reason = f"no systemd manager: {why_not}"
+    else:
+        reason = "runtime: process in agent.yaml"
+    runtime = ProcessRuntime(config.state_dir)
+    log.info("runtime: plain processes (%s); shard records and logs are under %s", reason,
+             runtime.directory)
+    return runtime
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.node_id = config.node_id or host.hostname()
         self.address = config.address or ""
-        self.runtime = ProcessRuntime(config.state_dir)
-        why = "no systemd runtime in this build" if config.runtime == "auto" else "configured"
-        log.info("runtime: plain processes (%s); shard records and logs are under %s", why,
-                 self.runtime.directory)
         self._outbox: asyncio.Queue[wire.Up] = asyncio.Queue()
         self._gpu_note = ""
         self._connected = False
@@ -67,10 +88,14 @@ class Agent:
         # The inventory the control plane has: a probe that finds it changed sends it.
         self._inventory_sent: wire.Inventory | None = None
         self._probe_now = asyncio.Event()
-        self.supervisor = ShardSupervisor(
+        self.runtime: Runtime = ProcessRuntime(config.state_dir)
+        self.supervisor = self._supervisor()
+
+    def _supervisor(self) -> ShardSupervisor:
+        return ShardSupervisor(
             self.runtime,
             bind_address=self.address or "127.0.0.1",
-            binaries={name: e.binary for name, e in config.engines.items()},
+            binaries={name: e.binary for name, e in self.config.engines.items()},
             report=self._send,
             weights=self.weights,
             weights_changed=self._probe_now.set,
@@ -146,6 +171,8 @@ class Agent:
 
     async def run(self) -> None:
         """Serve until cancelled."""
+        self.runtime = await choose_runtime(self.config)
+        self.supervisor = self._supervisor()
         await asyncio.to_thread(self.weights.prepare)
         async with self.supervisor:
             adopted = await self.supervisor.adopt_running()

@@ -47,6 +47,7 @@ def _server(args: argparse.Namespace) -> int:
 
 def _agent(args: argparse.Namespace) -> int:
     from llmgw.agent.run import run_agent
+    from llmgw.agent.runtime import ManagerUnreachable
     from llmgw.agent.weights import WeightsError
 
     config = load(args.config, AgentConfig)
@@ -55,7 +56,7 @@ def _agent(args: argparse.Namespace) -> int:
     _logging(config.log_level)
     try:
         asyncio.run(run_agent(config))
-    except WeightsError as err:
+    except (WeightsError, ManagerUnreachable) as err:
         print(f"llmgw agent: {args.config}: {err}", file=sys.stderr)
         return 2
     return 0

@@ -57,20 +57,27 @@ class NvmlWatchingEngines(FakeNvml):
 
 async def _start_and_wait(tmp_path, nvml, model: str, gpus: list[int]) -> list[wire.ShardStatus]:
     reports: list[wire.ShardStatus] = []
+    settled = asyncio.Event()
+
+    def report(status: wire.ShardStatus) -> None:
+        reports.append(status)
+        if status.state in ("ready", "failed"):
+            settled.set()
+
     runtime = ProcessRuntime(tmp_path / "agent")
-    supervisor = ShardSupervisor(runtime, "127.0.0.1", {}, reports.append, nvml=nvml)
+    supervisor = ShardSupervisor(runtime, "127.0.0.1", {}, report, nvml=nvml)
     async with supervisor:
         supervisor.start(wire.StartShard(
             replica="m-e1", rank=0, world_size=1, epoch=1, model=model,
             profile=wire.ShardProfile(name="gpu", engine="sim", startup_timeout_s=30),
             port=free_port(), gpus=gpus))
-        async with asyncio.timeout(30):
-            while not any(r.state in ("ready", "failed") for r in reports):
+        await asyncio.wait_for(settled.wait(), 30)
+        if reports[-1].state == "failed":
+            # The supervisor stops a failed shard itself; give it up to 15 s.
+            for _ in range(300):
+                if not _pids_running(model):
+                    break
                 await asyncio.sleep(0.05)
-            if reports[-1].state == "failed":
-                # The supervisor stops a failed shard itself.
-                while _pids_running(model):
-                    await asyncio.sleep(0.05)
         await supervisor.stop_all()
     return reports
 

@@ -56,7 +56,7 @@ def test_the_engine_starts_after_its_sidecar_answers_and_both_stop_together(make
              "the engine to be stopped with its sidecar gone")
     [again] = c.wait_ready("sim-sc", timeout_s=30)
     assert again["id"] != replica["id"]
-    new_engine, new_sidecar = wait_for(lambda: len(agent.shard_records()) == 2
+    _, new_sidecar = wait_for(lambda: len(agent.shard_records()) == 2
                                        and _records(agent), 10, "the new shard's records")
     assert new_sidecar["pid"] != sidecar["pid"]
 

@@ -1,6 +1,8 @@
 """Where shards run: behind one small interface, so the agent does not care which."""
 
-from llmgw.agent.runtime.base import Runtime, ShardRecord
+from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.runtime.process import ProcessRuntime
+from llmgw.agent.runtime.systemd import ManagerUnreachable, SystemdRuntime, available
 
-__all__ = ["ProcessRuntime", "Runtime", "ShardRecord"]
+__all__ = ["ManagerUnreachable", "ProcessRuntime", "Runtime", "ShardRecord", "ShardStartError",
+           "SystemdRuntime", "available"]

@@ -46,6 +46,10 @@ class ProcessRuntime:
 
     async def start(self, record: ShardRecord, argv: tuple[str, ...], env: dict[str, str]
                     ) -> ShardRecord:
+        running = self._load(record.unit)
+        if running is not None and self._alive(running):
+            raise ShardStartError(f"{record.unit} is already running (pid {running.pid}); "
+                                  "stop it first")
         log_path = self._log_path(record.unit)
         with open(log_path, "wb") as out:
             try:
