@@ -172,6 +172,16 @@ class Weights(_Config):
     token_file: str | None = None
 
 
+class ShardHealth(_Config):
+    """How a ready shard's health is watched: checked every ``every_s``; failing for
+    ``unhealthy_after_s`` it is reported unhealthy (the gateway stops sending it requests),
+    for ``fail_after_s`` it is failed and stopped, and the control plane replaces it."""
+
+    every_s: PositiveSeconds = 1.0
+    unhealthy_after_s: PositiveSeconds = 3.0
+    fail_after_s: PositiveSeconds = 30.0
+
+
 class AgentTls(_Config):
     """The node's identity on the agent stream (``https://`` control-plane addresses)."""
 
@@ -197,6 +207,7 @@ class AgentConfig(_Config):
     disable_engines: list[str] = []
     weights: Weights = msgspec.field(default_factory=Weights)
     tls: AgentTls | None = None
+    shard_health: ShardHealth = msgspec.field(default_factory=ShardHealth)
     # How often the agent looks at the node again (engines, RAM, GPUs, weights) and
     # sends its inventory if something changed.
     probe_interval_s: PositiveSeconds = 60.0

@@ -99,6 +99,7 @@ class Agent:
             report=self._send,
             weights=self.weights,
             weights_changed=self._probe_now.set,
+            health=self.config.shard_health,
         )
 
     def _route(self) -> str:

@@ -25,6 +25,7 @@ from llmgw import engines, wire
 from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.weights import WeightsError, WeightsStore, model_path
+from llmgw.config import ShardHealth
 from llmgw.core.names import shard_unit
 from llmgw.engines.base import gpu_env
 
@@ -40,8 +41,10 @@ _GPU_SETTLE_S = 5.0
 class ShardSupervisor:
     def __init__(self, runtime: Runtime, bind_address: str, binaries: dict[str, str],
                  report: Report, weights: WeightsStore | None = None,
-                 weights_changed: Callable[[], None] = lambda: None, nvml: Any = None):
+                 weights_changed: Callable[[], None] = lambda: None, nvml: Any = None,
+                 health: ShardHealth | None = None):
         self._runtime = runtime
+        self._health = health or ShardHealth()
         self._nvml = nvml  # pynvml unless a test gives an NVML-shaped fake
         self._weights = weights
         self._weights_changed = weights_changed
@@ -267,16 +270,17 @@ class ShardSupervisor:
                              "against the driver (llmgw doctor)", None)
                 await self._runtime.stop(record.unit)
                 return
+            why = ""
             if ready:
                 self._set(record, "ready")
-                unit, code = await exit_task
+                unit, code, why = await self._serve(record, exit_task)
             elif exit_task.done():
                 unit, code = exit_task.result()
             else:
                 self._finish(record, f"not ready after {startup_timeout_s:g} s", None)
                 await self._runtime.stop(record.unit)
                 return
-            how = "exited" if code is None else f"exited with code {code}"
+            how = why or ("exited" if code is None else f"exited with code {code}")
             if unit != record.unit:
                 how = f"sidecar {unit.removeprefix(record.unit + '-')} {how}"
             self._finish(record, how, code)
@@ -303,25 +307,68 @@ class ShardSupervisor:
                 return missing
             await asyncio.sleep(_HEALTH_POLL_S * 5)
 
+    def _health_address(self, record: ShardRecord) -> str | None:
+        """Where the shard's health is checked; None for a rank that serves nothing."""
+        if record.port is None or (record.health_path is None and not record.tcp_ready):
+            return None
+        return _hostport(self._facts.bind_address, record.port)
+
+    async def _unhealthy(self, record: ShardRecord, address: str) -> str | None:
+        """None when the engine answers its health check, else what it did instead."""
+        if record.health_path is None:
+            return None if await _accepts(address) else f"{address} refuses connections"
+        url = f"http://{address}{record.health_path}"
+        try:
+            async with self._http.get(url) as resp:
+                return None if resp.status == 200 else f"{record.health_path} answered " \
+                    f"{resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as err:
+            return f"{record.health_path}: {type(err).__name__} {err}".strip()
+
     async def _until_ready(self, record: ShardRecord, exit_task: asyncio.Task,
                            timeout_s: float) -> bool:
-        address = _hostport(self._facts.bind_address, record.port) if record.port else None
-        if address is None or (record.health_path is None and not record.tcp_ready):
+        address = self._health_address(record)
+        if address is None:
             # A rank that serves nothing is ready once it runs; its leader decides the rest.
             return not exit_task.done()
-        url = f"http://{address}{record.health_path}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not exit_task.done():
-            if record.health_path is None:
-                if await _accepts(address):
-                    return True
-            else:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with self._http.get(url) as resp:
-                        if resp.status == 200:
-                            return True
+            if await self._unhealthy(record, address) is None:
+                return True
             await asyncio.wait([exit_task], timeout=_HEALTH_POLL_S)
         return False
+
+    async def _serve(self, record: ShardRecord, exit_task: asyncio.Task
+                     ) -> tuple[str, int | None, str]:
+        """Watch a ready shard until it exits or stays unhealthy: (unit, code, why). A
+        ready engine can stop answering without exiting (a multi-node leader whose worker
+        died answers 503): it is reported unhealthy, so the gateway stops sending it
+        requests, then failed if it does not recover."""
+        address = self._health_address(record)
+        failing_since: float | None = None
+        while True:
+            await asyncio.wait([exit_task], timeout=self._health.every_s)
+            if exit_task.done():
+                unit, code = exit_task.result()
+                return unit, code, ""
+            if address is None:
+                continue
+            why = await self._unhealthy(record, address)
+            now = time.monotonic()
+            if why is None:
+                if failing_since is not None and self._states.get(record.unit) != "ready":
+                    log.info("%s answers its health check again", record.unit)
+                    self._set(record, "ready")
+                failing_since = None
+                continue
+            failing_since = failing_since if failing_since is not None else now
+            if now - failing_since >= self._health.fail_after_s:
+                return record.unit, None, (f"its health check failed for "
+                                           f"{self._health.fail_after_s:g} s: {why}")
+            if now - failing_since >= self._health.unhealthy_after_s and \
+                    self._states.get(record.unit) == "ready":
+                log.warning("%s fails its health check: %s", record.unit, why)
+                self._set(record, "unhealthy", detail=why)
 
     def _finish(self, record: ShardRecord, how: str, code: int | None) -> None:
         if record.unit in self._stopping or record.unit not in self._records:

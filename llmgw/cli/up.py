@@ -135,6 +135,8 @@ def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
         state_dir=str(state / "agent"),
         engines=demo.engines,
         weights=cfg.Weights(directories=[cfg.WeightsDirectory(path=str(state / "weights"))]),
+        # Its engines live and die with `llmgw up`: plain children, never system units.
+        runtime="process",
         stop_shards_on_exit=True,
     )
     server_path, agent_path = state / "server.yaml", state / "agent.yaml"

@@ -114,8 +114,11 @@ def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: P
             f"rank {missing} of {replica.world_size} never reported; "
             "a replica short of a shard cannot serve"
         )
-    # Adopted replicas too: created_at is when they were adopted.
-    starting = replica.state is ReplicaState.STARTING
+    # Adopted replicas too: created_at is when they were adopted. A shard that was ready
+    # and now fails its health check is not starting: its agent fails it if it does not
+    # recover, and the startup clock does not apply.
+    starting = replica.state is ReplicaState.STARTING and not any(
+        s.state == "unhealthy" for s in replica.shards)
     if starting and now - replica.created_at >= startup_timeout_s:
         return f"not ready after {startup_timeout_s:g} s"
     return None

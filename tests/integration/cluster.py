@@ -1,14 +1,20 @@
-"""Real llmgw processes on loopback, for integration tests.
+"""Real llmgw processes on loopback (or in network namespaces), for integration tests.
 
 A `Cluster` writes a server.yaml and agent.yaml into a temporary directory, starts
 `python -m llmgw server` and `python -m llmgw agent` exactly as an operator would, and
 stops everything it started by PID: the server and agents by process group, and the
 engine shards an agent left behind by the PIDs in the agent's own shard records.
+
+By default everything listens on 127.0.0.1. A cluster across network namespaces (see
+``netns.py``) sets ``listen_host`` to the server's address on the test's bridge, and starts
+each agent with a command prefix (``["ip", "netns", "exec", NS]``) and ``address=None``, so
+that the agent finds its own address as the source of its route to the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -17,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,10 +74,12 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, every_s:
                          + (f" (last error: {last_error!r})" if last_error else ""))
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
+def _start(args: list[str], log: Path, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """``python -m llmgw ARGS`` in a new session, after ``prefix`` (a command that execs the
+    rest, such as ``ip netns exec NS``, so the Popen's pid is still llmgw's)."""
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        [sys.executable, "-m", "llmgw", *args], stdout=out, stderr=subprocess.STDOUT,
+        [*prefix, sys.executable, "-m", "llmgw", *args], stdout=out, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
     )
 
@@ -96,14 +104,21 @@ class AgentProc:
     state_dir: Path
     log: Path
     proc: subprocess.Popen | None = None
+    prefix: tuple[str, ...] = ()
 
     def start(self) -> None:
-        self.proc = _start(["agent", "--config", str(self.config_path)], self.log)
+        self.proc = _start(["agent", "--config", str(self.config_path)], self.log, self.prefix)
 
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: the agent gets no chance to clean up."""
+    def kill(self, group: bool = False) -> None:
+        """SIGKILL, as a crash would: the agent gets no chance to clean up. With ``group``,
+        its whole process group (the agent and any helper it forked; not its shards, which
+        run in their own sessions)."""
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(5)
 
     def pause(self) -> None:
@@ -154,10 +169,13 @@ class Cluster:
     agents: dict[str, AgentProc] = field(default_factory=dict)
     api_key: str = ""
     admin_token: str = ""
+    # The server's listen address; a non-loopback one keeps auth.require_api_key on.
+    listen_host: str = "127.0.0.1"
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        return f"http://{host}:{self.port}"
 
     @property
     def server_state(self) -> Path:
@@ -165,7 +183,7 @@ class Cluster:
 
     def write_server_config(self) -> Path:
         config = {
-            "listen": {"host": "127.0.0.1", "port": self.port},
+            "listen": {"host": self.listen_host, "port": self.port},
             "state_dir": str(self.server_state),
             "nodes": {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3,
                       "lost_after_s": 8},
@@ -197,7 +215,9 @@ class Cluster:
             await store.close()
         return key
 
-    def add_agent(self, node_id: str, **overrides) -> AgentProc:
+    def add_agent(self, node_id: str, *, prefix: Sequence[str] = (), **overrides) -> AgentProc:
+        """Write agent-NODE.yaml and start the agent, after ``prefix`` when given. An
+        override of None leaves the key out (``address=None``: the agent finds its own)."""
         state = self.root / f"agent-{node_id}"
         config = {
             "servers": [self.base_url],
@@ -206,13 +226,18 @@ class Cluster:
             "state_dir": str(state),
             "port_range": list(free_port_block()),
             "reconnect": {"initial_s": 0.2, "max_s": 1.0},
+            # Never the machine's own systemd manager: a test that wants systemd passes
+            # the bus of the manager it started.
+            "runtime": "process",
             "weights": {"directories": [{"path": str(state / "weights")}]},
             "log_level": "debug",
             **overrides,
         }
+        config = {key: value for key, value in config.items() if value is not None}
         path = self.root / f"agent-{node_id}.yaml"
         path.write_text(yaml.safe_dump(config))
-        agent = AgentProc(node_id, path, state, self.root / f"agent-{node_id}.log")
+        agent = AgentProc(node_id, path, state, self.root / f"agent-{node_id}.log",
+                          prefix=tuple(prefix))
         agent.start()
         self.agents[node_id] = agent
         return agent

@@ -308,6 +308,16 @@ def test_starting_replica_past_its_startup_timeout_is_reaped() -> None:
     assert of_type(after, Reap) == [Reap("m-e1", "not ready after 60 s")]
 
 
+def test_a_replica_whose_ready_shard_turned_unhealthy_is_left_to_its_agent() -> None:
+    # Ready for an hour, then a health check failing: not "not ready after 60 s". The
+    # agent fails the shard if it does not recover; until then nothing is routed to it.
+    unhealthy = replica("m-e1", ("node01", (0,), 20000), state=ReplicaState.STARTING,
+                        created_at=NOW, shard_state="unhealthy")
+    nodes = [h100_8x80g("node01")]
+
+    assert of_type(plan(catalog(model()), nodes, [unhealthy], {}, NOW + 3600), Reap) == []
+
+
 def test_adopted_replica_stuck_starting_is_reaped_after_the_startup_timeout() -> None:
     # Its "ready" may have been lost while the agent reconnected; it must not wait forever.
     adopted = replica(

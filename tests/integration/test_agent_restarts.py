@@ -1,0 +1,62 @@
+"""Engines keep serving while their agent crashes and comes back, with either runtime.
+
+A real agent runs a sim engine; it is killed with SIGKILL ten times and started again
+each time. The engine's PID never changes, and a chat request through the gateway is
+answered after every restart (and while the agent is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from llmgw.agent.runtime import ProcessRuntime, SystemdRuntime
+from tests.integration.cluster import wait_for
+
+
+@pytest.fixture(params=["process", "systemd"])
+def runtime_settings(request) -> dict:
+    if request.param == "process":
+        return {"runtime": "process"}
+    manager = request.getfixturevalue("systemd_manager")
+    return {"runtime": "systemd", "systemd_bus": manager.address}
+
+
+def test_ten_agent_crashes_leave_the_engine_serving(make_cluster, runtime_settings):
+    c = make_cluster()
+    c.start_server()
+    agent = c.add_agent("node-a", **runtime_settings)
+    [replica] = c.wait_ready("sim-small")
+    runtime = runtime_settings["runtime"]
+    log_line = ("runtime: systemd transient units" if runtime == "systemd"
+                else "runtime: plain processes (runtime: process in agent.yaml)")
+    assert log_line in agent.log.read_text()
+    client = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=c.api_key, max_retries=0,
+                           timeout=10)
+
+    def engine_pid() -> int:
+        # What a restarted agent would find: the runtime's own listing.
+        if runtime == "systemd":
+            lister = SystemdRuntime(runtime_settings["systemd_bus"], agent.state_dir)
+        else:
+            lister = ProcessRuntime(agent.state_dir)
+        [record] = asyncio.run(lister.running())
+        assert record.replica == replica["id"]
+        return record.pid
+
+    first = engine_pid()
+    for round_ in range(10):
+        agent.kill()
+        # The agent is gone; its engine is not.
+        reply = client.chat.completions.create(
+            model="sim-small", messages=[{"role": "user", "content": f"round {round_}"}])
+        assert reply.choices[0].message.content
+        agent.start()
+        wait_for(lambda: agent.log.read_text().count("registered with") == round_ + 2, 15,
+                 f"the agent to register again (round {round_})")
+        wait_for(lambda: c.ready_replicas("sim-small"), 15, "the replica to be ready")
+        assert c.ready_replicas("sim-small")[0]["id"] == replica["id"]
+        assert engine_pid() == first
+    assert "adopting" in agent.log.read_text()
