@@ -54,7 +54,7 @@ def test_ten_agent_crashes_leave_the_engine_serving(make_cluster, runtime_settin
             model="sim-small", messages=[{"role": "user", "content": f"round {round_}"}])
         assert reply.choices[0].message.content
         agent.start()
-        wait_for(lambda: agent.log.read_text().count("registered with") == round_ + 2, 15,
+        wait_for(lambda n=round_ + 2: agent.log.read_text().count("registered with") == n, 15,
                  f"the agent to register again (round {round_})")
         wait_for(lambda: c.ready_replicas("sim-small"), 15, "the replica to be ready")
         assert c.ready_replicas("sim-small")[0]["id"] == replica["id"]
