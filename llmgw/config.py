@@ -127,8 +127,20 @@ class Model(_Config):
     nodes: Selector = msgspec.field(default_factory=Selector)
 
 
+class Gateway(_Config):
+    """How long ``/v1`` waits on an engine. A non-streamed answer's first byte comes when
+    the whole generation is done, so ``first_byte_timeout_s`` is generous."""
+
+    connect_timeout_s: PositiveSeconds = 5.0
+    first_byte_timeout_s: PositiveSeconds = 600.0
+    # Between two chunks of a streamed answer: a half-open engine ends the stream with an
+    # error event after this long.
+    idle_timeout_s: PositiveSeconds = 120.0
+
+
 class ServerConfig(_Config):
     listen: Listen = msgspec.field(default_factory=Listen)
+    gateway: Gateway = msgspec.field(default_factory=Gateway)
     state_dir: str = "/var/lib/llmgw"
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     auth: Auth = msgspec.field(default_factory=Auth)

@@ -107,7 +107,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.http = client_session()
+        app.state.http = client_session(config.gateway)
         await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping")]

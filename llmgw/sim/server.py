@@ -73,6 +73,13 @@ class CompletionRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
 
 
+class RerankRequest(msgspec.Struct):
+    model: str
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+
+
 class EmbeddingRequest(msgspec.Struct):
     input: str | list[str]
     model: str | None = None
@@ -148,6 +155,7 @@ class SimServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/rerank", self.rerank)
         return app
 
     @web.middleware
@@ -307,6 +315,20 @@ class SimServer:
             data.append({"object": "embedding", "index": index, "embedding": vector})
         words = sum(len(text.split()) for text in inputs)
         return web.json_response({"object": "list", "data": data, "model": self.model,
+                                  "usage": {"prompt_tokens": words, "total_tokens": words}})
+
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """llama.cpp's and vLLM's /v1/rerank shape; the score is the share of the query's
+        words a document holds, so the order is predictable."""
+        body = await self._decode(request, RerankRequest)
+        query = set(body.query.lower().split())
+        results = [{"index": i, "relevance_score":
+                    len(query & set(doc.lower().split())) / max(len(query), 1)}
+                   for i, doc in enumerate(body.documents)]
+        results.sort(key=lambda r: (-r["relevance_score"], r["index"]))
+        words = len(body.query.split()) + sum(len(d.split()) for d in body.documents)
+        return web.json_response({"model": self.model, "results": results[:body.top_n],
                                   "usage": {"prompt_tokens": words, "total_tokens": words}})
 
 

@@ -25,7 +25,8 @@ from dbus_fast import Variant
 
 from llmgw import wire
 from llmgw.agent.runtime.base import ShardStartError
-from llmgw.agent.runtime.systemd import SystemdRuntime, _call, _connect, available, unit_path
+from llmgw.agent.runtime.systemd import SystemdRuntime
+from llmgw.agent.runtime.systemd_bus import available, call, connect, unit_path
 from llmgw.agent.shards import ShardSupervisor
 from tests.integration.test_runtime_contract import (
     DEADLINE_S,
@@ -56,10 +57,10 @@ async def harness(manager, tmp_path) -> AsyncIterator[Harness]:
 
 async def unit_properties(address: str, name: str, interface: str) -> dict:
     """Read a unit's properties on a connection of the test's own."""
-    bus = await _connect(address)
+    bus = await connect(address)
     try:
-        (props,) = await _call(bus, "GetAll", "s", [interface], path=unit_path(name),
-                               interface="org.freedesktop.DBus.Properties")
+        (props,) = await call(bus, "GetAll", "s", [interface], path=unit_path(name),
+                              interface="org.freedesktop.DBus.Properties")
     finally:
         bus.disconnect()
     return {k: v.value for k, v in props.items()}
@@ -192,10 +193,10 @@ async def test_an_exited_unit_found_at_adoption_is_cleared(harness, manager, cap
 
 
 async def test_a_unit_without_a_record_is_left_alone(harness, manager, caplog):
-    bus = await _connect(manager.address)
+    bus = await connect(manager.address)
     foreign = "llmgw-shard-by-hand-0"
     try:
-        await _call(bus, "StartTransientUnit", "ssa(sv)a(sa(sv))", [
+        await call(bus, "StartTransientUnit", "ssa(sv)a(sa(sv))", [
             f"{foreign}.service", "fail",
             [("ExecStart", Variant("a(sasb)", [(sys.executable, [sys.executable, "-c",
                                                 "import time; time.sleep(60)"], False)]))],

@@ -91,7 +91,11 @@ def test_bad_input_gets_openai_errors_and_never_a_500(cluster):
     resp = httpx.post(url, json={"model": "sim-small", "messages": []},
                       headers={"authorization": f"Bearer {bad_key}"})
     assert resp.status_code == 401
+    # Any POST under /v1 naming a model is forwarded; other methods are refused.
     resp = httpx.get(f"{cluster.base_url}/v1/nothing-here", headers=auth)
+    assert resp.status_code == 405
+    assert resp.json()["error"]["message"] == "/v1/nothing-here does not take GET"
+    resp = httpx.get(f"{cluster.base_url}/nothing-here", headers=auth)
     assert resp.status_code == 404 and "error" in resp.json()
     # Still serving after all of that.
     reply = c.chat.completions.create(model="sim-small", messages=[{"role": "user",

@@ -2,7 +2,8 @@
 
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.runtime.process import ProcessRuntime
-from llmgw.agent.runtime.systemd import ManagerUnreachable, SystemdRuntime, available
+from llmgw.agent.runtime.systemd import ManagerUnreachable, SystemdRuntime
+from llmgw.agent.runtime.systemd_bus import available
 
 __all__ = ["ManagerUnreachable", "ProcessRuntime", "Runtime", "ShardRecord", "ShardStartError",
            "SystemdRuntime", "available"]

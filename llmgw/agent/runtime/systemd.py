@@ -1,4 +1,4 @@
-"""Shards as systemd transient units, driven over D-Bus with dbus-fast.
+"""Shards as systemd transient units, driven over D-Bus through :mod:`.systemd_bus`.
 
 Each shard is ``<unit>.service`` (``llmgw-shard-<replica>-<rank>.service``), started with
 ``StartTransientUnit`` on the manager at a configured bus address: the system manager's
@@ -42,36 +42,38 @@ import re
 import shutil
 import signal
 from collections import Counter, defaultdict, deque
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from dbus_fast import DBusError, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
-from dbus_fast.aio.message_bus import _MessageWriter
-from dbus_fast.aio.message_reader import build_message_reader
-from dbus_fast.errors import DBusFastError
 
 from llmgw.agent.runtime.base import ShardRecord, ShardStartError
+from llmgw.agent.runtime.systemd_bus import (
+    DEST,
+    MANAGER,
+    PROPS,
+    ROOT,
+    SERVICE,
+    TRANSPORT,
+    UNIT,
+    call,
+    connect,
+    is_peer,
+    unit_name,
+    unit_path,
+    why,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADDRESS = "unix:path=/run/systemd/private"
 # Where the operator changes what this runtime talks to (words for error messages).
 HINT = "set systemd_bus in agent.yaml, or runtime: process"
 
-_DEST = "org.freedesktop.systemd1"
-_ROOT = "/org/freedesktop/systemd1"
-_MANAGER = "org.freedesktop.systemd1.Manager"
-_UNIT = "org.freedesktop.systemd1.Unit"
-_SERVICE = "org.freedesktop.systemd1.Service"
-_PROPS = "org.freedesktop.DBus.Properties"
 _PATTERN = "llmgw-shard-*.service"
 _RECORD_VAR = "LLMGW_SHARD"
 
-_CONNECT_TIMEOUT_S = 5.0
-_CALL_TIMEOUT_S = 15.0
 _START_TIMEOUT_S = 30.0  # Type=exec: the start job ends once execve() has succeeded
 _GONE_TIMEOUT_S = 5.0
 _POLL_S = 1.0  # behind the signals
@@ -93,125 +95,9 @@ _AGENT_ONLY_ENV = frozenset({
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
-# A connection that cannot reach the manager. DBusError (the manager said no) is a
-# DBusFastError too: catch it first wherever both are caught.
-_TRANSPORT = (OSError, EOFError, TimeoutError, DBusFastError)
-
 
 class ManagerUnreachable(ShardStartError):
     """The systemd manager at the configured address does not answer."""
-
-
-def unit_path(name: str) -> str:
-    """The manager's object path for a unit, escaped as systemd escapes bus labels."""
-    label = "".join(
-        c if c.isascii() and (c.isalpha() or (c.isdigit() and i > 0)) else f"_{ord(c):02x}"
-        for i, c in enumerate(name)
-    )
-    return f"{_ROOT}/unit/{label or '_'}"
-
-
-def _is_peer(address: str) -> bool:
-    """A manager's own socket (``.../systemd/private``) is peer-to-peer: no bus daemon,
-    no ``Hello``. Any other address is a bus (the system bus on a real node)."""
-    return address.rstrip("/").endswith("/systemd/private")
-
-
-class _PeerBus(MessageBus):
-    """A dbus-fast connection to a peer rather than a bus: authenticated, without ``Hello``
-    (a manager's private socket answers it with UnknownObject). dbus-fast 5.2 has no such
-    mode, so this is its ``connect`` less the ``Hello``; the version is pinned."""
-
-    async def connect(self) -> _PeerBus:
-        transport, options = self._bus_address[0]
-        with ExitStack() as stack:
-            sock, stream, address = self._create_socket_for_transport(transport, options)
-            stack.callback(sock.close)
-            stack.callback(stream.close)
-            sock.setblocking(False)
-            await self._loop.sock_connect(sock, address)
-            stack.pop_all()
-        self._sock, self._stream, self._fd = sock, stream, sock.fileno()
-        self._writer = _MessageWriter(self)
-        try:
-            await self._authenticate()
-            self._loop.add_reader(self._fd, build_message_reader(
-                self._sock, self._process_message, self._finalize, self._negotiate_unix_fd))
-        except BaseException:
-            self._loop.remove_reader(self._fd)
-            stream.close()
-            sock.close()
-            self._sock = self._stream = self._fd = self._writer = None
-            raise
-        self.unique_name = ":peer"  # dbus-fast writes nothing until it has one
-        # systemd (252) leaves a message that arrived together with the end of the
-        # handshake unread until more data comes: nudge with pings until one is answered.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _CONNECT_TIMEOUT_S
-        pings: set[asyncio.Task] = set()
-        interval = 0.05
-        try:
-            while loop.time() < deadline:
-                pings.add(asyncio.ensure_future(self.call(Message(
-                    destination=_DEST, path=_ROOT, interface="org.freedesktop.DBus.Peer",
-                    member="Ping"))))
-                done, pings = await asyncio.wait(pings, timeout=interval,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                if done:
-                    done.pop().result()
-                    return self
-                interval = min(interval * 2, 0.5)
-        finally:
-            for ping in pings:
-                ping.cancel()
-        self.disconnect()
-        raise TimeoutError("the manager accepted the connection but answers nothing")
-
-
-async def _connect(address: str) -> MessageBus:
-    bus = (_PeerBus if _is_peer(address) else MessageBus)(
-        bus_address=address, auth_timeout=_CONNECT_TIMEOUT_S)
-    try:
-        await asyncio.wait_for(bus.connect(), _CONNECT_TIMEOUT_S)
-    except BaseException:
-        bus.disconnect()
-        raise
-    return bus
-
-
-async def _call(bus: MessageBus, member: str, signature: str = "", body: Any = (),
-                path: str = _ROOT, interface: str = _MANAGER, destination: str = _DEST) -> list:
-    message = Message(destination=destination, path=path, interface=interface, member=member,
-                      signature=signature, body=list(body))
-    reply = await asyncio.wait_for(bus.call(message), _CALL_TIMEOUT_S)
-    if reply is None:
-        raise EOFError("the connection to the manager closed")
-    if reply.message_type == MessageType.ERROR:
-        raise DBusError(reply.error_name or "unknown", reply.body[0] if reply.body else "")
-    return reply.body
-
-
-def _why(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror
-    if isinstance(err, TimeoutError):
-        return "no answer in time"
-    return str(err) or type(err).__name__
-
-
-async def available(address: str = DEFAULT_ADDRESS) -> str | None:
-    """None when a systemd manager answers at ``address``; else why not, in words."""
-    try:
-        bus = await _connect(address)
-    except (*_TRANSPORT, ValueError) as err:
-        return f"cannot reach the systemd manager at {address}: {_why(err)}"
-    try:
-        await _call(bus, "Get", "ss", [_MANAGER, "Version"], interface=_PROPS)
-    except (*_TRANSPORT, DBusError) as err:
-        return f"{address} does not answer as a systemd manager: {_why(err)}"
-    finally:
-        bus.disconnect()
-    return None
 
 
 def exit_code(props: dict[str, Any]) -> int | None:
@@ -288,20 +174,20 @@ class SystemdRuntime:
                 return self._bus
             bus = None
             try:
-                bus = await _connect(self.address)
+                bus = await connect(self.address)
                 bus.add_message_handler(self._on_message)
-                if not _is_peer(self.address):
+                if not is_peer(self.address):
                     # On a bus the manager's signals must be asked for; a peer gets them all.
-                    await _call(bus, "AddMatch", "s", [
-                        f"type='signal',sender='{_DEST}',path_namespace='{_ROOT}'"],
+                    await call(bus, "AddMatch", "s", [
+                        f"type='signal',sender='{DEST}',path_namespace='{ROOT}'"],
                         path="/org/freedesktop/DBus", interface="org.freedesktop.DBus",
                         destination="org.freedesktop.DBus")
-                await _call(bus, "Subscribe")
-            except (*_TRANSPORT, ValueError, DBusError) as err:
+                await call(bus, "Subscribe")
+            except (*TRANSPORT, ValueError, DBusError) as err:
                 if bus is not None:
                     bus.disconnect()
                 raise ManagerUnreachable(
-                    f"cannot reach the systemd manager at {self.address}: {_why(err)}; "
+                    f"cannot reach the systemd manager at {self.address}: {why(err)}; "
                     f"{HINT}") from None
             self._bus = bus
             # Whatever waits on the manager's signals asks again at once when they stop.
@@ -317,33 +203,33 @@ class SystemdRuntime:
                 event.set()
 
     async def _call(self, member: str, signature: str = "", body: Any = (),
-                    path: str = _ROOT, interface: str = _MANAGER) -> list:
+                    path: str = ROOT, interface: str = MANAGER) -> list:
         bus = await self._connection()
         try:
-            return await _call(bus, member, signature, body, path, interface)
+            return await call(bus, member, signature, body, path, interface)
         except DBusError:
             raise
-        except _TRANSPORT as err:
+        except TRANSPORT as err:
             raise ManagerUnreachable(
-                f"lost the systemd manager at {self.address}: {_why(err)}") from None
+                f"lost the systemd manager at {self.address}: {why(err)}") from None
 
     def _on_message(self, msg: Message) -> None:
         if msg.message_type != MessageType.SIGNAL:
             return
-        if msg.member == "JobRemoved" and msg.path == _ROOT:
+        if msg.member == "JobRemoved" and msg.path == ROOT:
             _, _, name, result = msg.body
             job = self._jobs.get(name)
             if job is not None and not job.done():
                 job.set_result(result)
             self._wake(unit_path(name))
-        elif msg.member == "UnitRemoved" and msg.path == _ROOT:
+        elif msg.member == "UnitRemoved" and msg.path == ROOT:
             self._wake(msg.body[1])
         elif msg.member == "PropertiesChanged" and msg.path in self._waiters:
             interface, changed = msg.body[0], msg.body[1]
-            if interface == _SERVICE:
+            if interface == SERVICE:
                 code = exit_code({k: v.value for k, v in changed.items()})
                 if code is not None:
-                    self._exits[_name_of(msg.path)] = code
+                    self._exits[unit_name(msg.path)] = code
             self._wake(msg.path)
 
     def _wake(self, path: str) -> None:
@@ -367,11 +253,11 @@ class SystemdRuntime:
             if not self._waiters[path]:
                 del self._waiters[path]
 
-    async def _props(self, name: str, interface: str = _SERVICE) -> dict[str, Any] | None:
+    async def _props(self, name: str, interface: str = SERVICE) -> dict[str, Any] | None:
         """The unit's properties, or None when the manager has no such unit loaded."""
         try:
             path = (await self._call("GetUnit", "s", [name]))[0]
-            body = await self._call("GetAll", "s", [interface], path=path, interface=_PROPS)
+            body = await self._call("GetAll", "s", [interface], path=path, interface=PROPS)
         except DBusError as err:
             if err.type in ("org.freedesktop.systemd1.NoSuchUnit",
                             "org.freedesktop.DBus.Error.UnknownObject"):
@@ -387,8 +273,8 @@ class SystemdRuntime:
         environment = self._environment(record, env)
         executable = shutil.which(argv[0], path=dict(environment).get("PATH", os.defpath))
         if executable is None:
-            why = "Permission denied" if os.path.exists(argv[0]) else "No such file or directory"
-            raise ShardStartError(f"cannot run {argv[0]}: {why}")
+            reason = "Permission denied" if os.path.exists(argv[0]) else "No such file or directory"
+            raise ShardStartError(f"cannot run {argv[0]}: {reason}")
         with self._watching(name):
             await self._clear_leftover(name, record.unit)
             self._exits.pop(name, None)
@@ -420,7 +306,7 @@ class SystemdRuntime:
         with contextlib.suppress(TimeoutError):
             return await asyncio.wait_for(asyncio.shield(job), _START_TIMEOUT_S)
         # No JobRemoved signal in time: decide from the unit as it is now.
-        state = await self._props(name, _UNIT)
+        state = await self._props(name, UNIT)
         return "done" if state is not None and state.get("ActiveState") == "active" else (
             f"without an answer in {_START_TIMEOUT_S:g} s")
 
@@ -517,7 +403,7 @@ class SystemdRuntime:
         deadline = loop.time() + timeout_s
         while True:
             changed.clear()
-            state = await self._props(name, _UNIT)
+            state = await self._props(name, UNIT)
             if state is None or state.get("ActiveState") in ("inactive", "failed"):
                 return True
             left = deadline - loop.time()
@@ -532,7 +418,7 @@ class SystemdRuntime:
         its last lines were reported on failure, and a node restarting shards for months
         must not keep them forever."""
         with self._watching(name) as changed:
-            state = await self._props(name, _UNIT)
+            state = await self._props(name, UNIT)
             if state is not None and state.get("ActiveState") == "active":
                 with contextlib.suppress(DBusError):
                     await self._call("StopUnit", "ss", [name, "replace"])
@@ -545,7 +431,7 @@ class SystemdRuntime:
                     with contextlib.suppress(DBusError):
                         await self._call("ResetFailedUnit", "s", [name])
                 changed.clear()
-                state = await self._props(name, _UNIT)
+                state = await self._props(name, UNIT)
                 if state is not None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), 0.2)
@@ -628,7 +514,3 @@ def _record_of(props: dict[str, Any]) -> ShardRecord | None:
                 return None
     return None
 
-
-def _name_of(path: str) -> str:
-    label = path.rsplit("/", 1)[-1]
-    return re.sub(r"_([0-9a-f]{2})", lambda m: chr(int(m.group(1), 16)), label)

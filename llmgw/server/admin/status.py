@@ -12,11 +12,12 @@ from llmgw.server.admin.nodes import node_json
 async def status(request: Request) -> dict:
     await require(request, admin=True)
     controller = request.app.state.controller
+    in_flight = request.app.state.router.in_flight()
     nodes = [node_json(s, controller.replicas.values()) for s in controller.sessions.all()]
     replicas = [
         {
             "id": r.id, "model": r.model, "profile": r.profile, "epoch": r.epoch,
-            "state": r.state.value, "reason": r.reason,
+            "state": r.state.value, "reason": r.reason, "in_flight": in_flight.get(r.id, 0),
             "shards": [{"rank": s.rank, "node": s.node_id, "port": s.port, "state": s.state,
                         "detail": s.detail} for s in r.shards],
         }

@@ -10,7 +10,7 @@ from litestar import Request, Response, get, post
 
 from llmgw.server.auth import bearer, check_api_key
 from llmgw.server.errors import ApiError
-from llmgw.server.openai.proxy import Retryable, forward
+from llmgw.server.openai.proxy import ClientGone, Retryable, forward
 
 # Replicas tried for one request before giving up, when the first ones refuse outright.
 _MAX_ATTEMPTS = 3
@@ -30,7 +30,7 @@ class _Head(msgspec.Struct):
 _head_decoder = msgspec.json.Decoder(_Head)
 
 
-def _parse(body: bytes, required: str) -> _Head:
+def _parse(body: bytes, required: str | None) -> _Head:
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -49,7 +49,7 @@ def _parse(body: bytes, required: str) -> _Head:
     if not head.model:
         raise ApiError(400, "the request has no `model`; name one of GET /v1/models",
                        param="model", code="missing_field")
-    if bytes(getattr(head, required)) in (b"", b"null"):
+    if required and bytes(getattr(head, required)) in (b"", b"null"):
         raise ApiError(400, f"the request has no `{required}`", param=required,
                        code="missing_field")
     return head
@@ -85,7 +85,7 @@ def _model_or_404(request: Request, name: str, allowed: list[str] | None) -> Non
                    code="model_not_found")
 
 
-async def _proxy(request: Request, path: str, required: str) -> Response:
+async def _proxy(request: Request, path: str, required: str | None) -> Response:
     allowed = await _authorize(request)
     body = await request.body()
     head = _parse(body, required)
@@ -95,9 +95,13 @@ async def _proxy(request: Request, path: str, required: str) -> Response:
     refusals = []
     for endpoint in candidates[:_MAX_ATTEMPTS]:
         try:
-            return await forward(state.http, endpoint, path, body, head.stream)
+            return await forward(state.http, endpoint, path, body, head.stream,
+                                 state.config.gateway, request.receive)
         except Retryable as err:
             refusals.append(str(err))
+        except ClientGone:
+            # Nobody to answer; 499 as nginx logs it, for the access log only.
+            return Response(b"", status_code=499)
     why = "; ".join(refusals) if refusals else state.controller.why_not_ready(head.model)
     raise ApiError(503, f"no replica of {head.model!r} can take the request: {why}",
                    code="no_ready_replica", headers={"retry-after": "5"})
@@ -118,6 +122,13 @@ async def embeddings(request: Request) -> Response:
     return await _proxy(request, "/v1/embeddings", "input")
 
 
+@post("/v1/{path:path}")
+async def any_model_endpoint(request: Request, path: str) -> Response:
+    """Any other POST under /v1 that names a ``model`` (responses, rerank, audio …) goes to
+    an engine serving that model as it is: new endpoints work without a new llmgw."""
+    return await _proxy(request, "/v1" + path, None)
+
+
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
     allowed = await _authorize(request)
@@ -133,4 +144,4 @@ async def list_models(request: Request) -> dict:
     }
 
 
-ROUTES = [chat_completions, completions, embeddings, list_models]
+ROUTES = [chat_completions, completions, embeddings, list_models, any_model_endpoint]

@@ -1,0 +1,123 @@
+"""The gateway's edges, through real processes: endpoints it has never heard of, engines
+that stop answering, and clients that leave. Traffic goes through the official `openai`
+client where it has a call for it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.cluster import wait_for
+
+SLOW = {"name": "sim-slow", "replicas": 1, "profiles": [
+    {"engine": "sim", "args": ["--tokens-per-second", "20"]}]}
+
+
+@pytest.fixture
+def cluster(make_cluster):
+    c = make_cluster(models=[SLOW], gateway={
+        "connect_timeout_s": 2, "first_byte_timeout_s": 3, "idle_timeout_s": 1.5})
+    c.start_server()
+    c.add_agent("node-a")
+    c.wait_ready("sim-slow")
+    return c
+
+
+def _client(c) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=c.api_key, max_retries=0,
+                         timeout=20)
+
+
+def _engine(c) -> tuple[int, int]:
+    """The engine's (pid, port)."""
+    [record] = c.agents["node-a"].shard_records()
+    return record["pid"], record["port"]
+
+
+def _engine_in_flight(port: int) -> int:
+    return httpx.get(f"http://127.0.0.1:{port}/sim/stats", timeout=5).json()["in_flight"]
+
+
+def _gateway_in_flight(c) -> int:
+    return sum(r["in_flight"] for r in c.replicas("sim-slow"))
+
+
+def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
+    client = _client(cluster)
+    ranked = client.post("/rerank", cast_to=object, body={
+        "model": "sim-slow", "query": "red fox",
+        "documents": ["a blue whale", "the red fox jumps", "red paint"]})
+    assert [r["index"] for r in ranked["results"]] == [1, 2, 0]
+    assert ranked["model"] == "sim-slow"
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.post("/rerank", cast_to=object, body={"model": "sim-slo", "query": "q",
+                                                     "documents": ["d"]})
+    assert "did you mean sim-slow" in missing.value.message
+    with pytest.raises(openai.BadRequestError) as no_model:
+        client.post("/rerank", cast_to=object, body={"query": "q", "documents": ["d"]})
+    assert no_model.value.body["param"] == "model"
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine_within_a_second(cluster):
+    _, port = _engine(cluster)
+    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", timeout=10,
+                      headers={"authorization": f"Bearer {cluster.api_key}"},
+                      json={"model": "sim-slow", "stream": True, "max_tokens": 200,
+                            "messages": [{"role": "user", "content": "talk"}]}) as reply:
+        chunks = reply.iter_bytes()
+        assert next(chunks)
+        assert _engine_in_flight(port) == 1
+    left = time.monotonic()
+    wait_for(lambda: _engine_in_flight(port) == 0, 1.0, "the engine's request to end")
+    assert time.monotonic() - left <= 1.0
+    wait_for(lambda: _gateway_in_flight(cluster) == 0, 1.0, "the gateway's count to drop")
+
+
+def test_a_client_leaving_before_the_first_token_frees_the_engine(cluster):
+    _, port = _engine(cluster)
+    # 200 tokens at 20/s: the answer would take 10 s; the client gives up after 0.5 s.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=0.5,
+                   headers={"authorization": f"Bearer {cluster.api_key}"},
+                   json={"model": "sim-slow", "max_tokens": 200,
+                         "messages": [{"role": "user", "content": "talk"}]})
+    wait_for(lambda: _engine_in_flight(port) == 0, 1.0, "the engine's request to end")
+
+
+def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
+    pid, port = _engine(cluster)
+    client = _client(cluster)
+    stream = client.chat.completions.create(
+        model="sim-slow", stream=True, max_tokens=200,
+        messages=[{"role": "user", "content": "talk"}])
+    first = next(iter(stream))
+    assert first.choices[0].delta is not None
+    os.kill(pid, signal.SIGSTOP)  # the engine holds its socket open and says nothing
+    try:
+        began = time.monotonic()
+        with pytest.raises(openai.APIError) as broke:
+            for _ in stream:
+                pass
+        waited = time.monotonic() - began
+        assert "sent nothing for 1.5 s" in str(broke.value)
+        assert waited < 5, waited
+        wait_for(lambda: _gateway_in_flight(cluster) == 0, 2, "the gateway's count to drop")
+
+        # A non-streamed request to the frozen engine: 504 after the first-byte limit.
+        began = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as timed_out:
+            client.chat.completions.create(model="sim-slow", max_tokens=5,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert timed_out.value.status_code == 504
+        assert "sent nothing for 3 s" in timed_out.value.message
+        assert 2.5 < time.monotonic() - began < 8
+        wait_for(lambda: _gateway_in_flight(cluster) == 0, 2, "the gateway's count to drop")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: _engine_in_flight(port) == 0, 5, "the thawed engine to be idle")
