@@ -409,8 +409,9 @@ async def measure(cluster: Cluster, args: argparse.Namespace
     return cells
 
 
-async def idle_cpu(cluster: Cluster, seconds: float = 1.0) -> dict[str, float]:
-    """µs of CPU per second each gateway uses doing nothing (the controller, heartbeats)."""
+async def idle_cpu(cluster: Cluster, seconds: float = 3.0) -> dict[str, float]:
+    """µs of CPU per second each gateway uses doing nothing: llmgw's controller passes
+    (every 2 s) and the agent's heartbeats (every 3 s) run in the gateway's process."""
     pids = {"floor": process_tree(cluster.procs["floor"].pid),
             "llmgw": process_tree(cluster.procs["server"].pid)}
     before = {t: cpu_ns(p) for t, p in pids.items()}

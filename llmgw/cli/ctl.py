@@ -254,7 +254,10 @@ def status(args):
         replicas.add_column(column)
     for r in reply["replicas"]:
         where = "+".join(f"{s['node']}:{s['port']}" for s in r["shards"])
-        replicas.add_row(r["id"], r["model"], r["state"], where, r["reason"])
+        # While starting, the shards' own words say what they are doing ("fetching …").
+        doing = "; ".join(f"rank {s['rank']}: {s['detail']}" for s in r["shards"]
+                          if s["detail"] and s["state"] != "ready")
+        replicas.add_row(r["id"], r["model"], r["state"], where, r["reason"] or doing)
     console.print(replicas)
 
 
