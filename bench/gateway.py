@@ -9,7 +9,7 @@ so drift in the machine's load hits all three alike):
 - llmgw: through a real ``llmgw server``, which learnt of the engine from a real
   ``llmgw agent``, exactly as in a deployment.
 
-The engine is a fake (``bench/fake_engine.py engine``, about 10 µs of CPU per request), so
+The engine is a fake (``bench/fake_engine.py engine``: prepared bytes, no JSON read), so
 what a gateway adds is most of what there is to see. The agent launches it through llmgw's
 own llama.cpp adapter: the agent's llama.cpp binary is a small script written to the run's
 temporary directory that runs the fake engine for a model whose weights are not a GGUF
@@ -421,10 +421,14 @@ async def idle_cpu(cluster: Cluster, seconds: float = 3.0) -> dict[str, float]:
 
 @dataclass
 class Generation:
-    tokens: int = 0
-    seconds: float = 0.0
+    rates: list[float] = field(default_factory=list)  # SSE events per second, each
     firsts: list[float] = field(default_factory=list)
-    count: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The median generation's rate: one stalled by another job on the machine
+        moves it less than it would move a sum."""
+        return pct(self.rates, 0.5)
 
 
 async def measure_llama(cluster: Cluster, rounds: int, tokens: int
@@ -450,11 +454,8 @@ async def measure_llama(cluster: Cluster, rounds: int, tokens: int
                 except (aiohttp.ClientError, TimeoutError):
                     continue
                 if status == 200 and first is not None:
-                    gen = out[target]
-                    gen.tokens += events
-                    gen.seconds += took
-                    gen.firsts.append(first)
-                    gen.count += 1
+                    out[target].rates.append(events / took)
+                    out[target].firsts.append(first)
     return out
 
 
@@ -521,13 +522,13 @@ def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
 def llama_table(gens: dict[str, Generation], tokens: int) -> Table:
     out = Table(title=f"llama-server (SmolLM2-135M, 1 thread): {tokens} tokens per "
                       "streamed generation")
-    for name in ("target", "generations", "tokens/s", "/ direct", "TTFT p50 ms"):
+    for name in ("target", "generations", "tokens/s\n(median)", "min-max", "/ direct",
+                 "TTFT p50 ms"):
         out.add_column(name, justify="left" if name == "target" else "right")
-    direct = gens["direct"].tokens / gens["direct"].seconds
     for target, gen in gens.items():
-        rate = gen.tokens / gen.seconds if gen.seconds else float("nan")
-        out.add_row(target, f"{gen.count}", f"{rate:.1f}",
-                    "-" if target == "direct" else f"{rate / direct:.3f}",
+        out.add_row(target, f"{len(gen.rates)}", f"{gen.rate:.1f}",
+                    f"{min(gen.rates, default=0):.0f}-{max(gen.rates, default=0):.0f}",
+                    "-" if target == "direct" else f"{gen.rate / gens['direct'].rate:.3f}",
                     _ms(pct(gen.firsts, 0.5)))
     return out
 
@@ -552,8 +553,7 @@ def verdicts(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int],
             out.append((f"llmgw {what}, concurrency 1: <= {limit:g} ms", f"{added:.2f} ms",
                         added <= limit))
     if gens:
-        ratio = (gens["llmgw"].tokens / gens["llmgw"].seconds) / (
-            gens["direct"].tokens / gens["direct"].seconds)
+        ratio = gens["llmgw"].rate / gens["direct"].rate
         out.append((f"llama-server tokens/s through llmgw: >= {TOKENS_RATIO:g} of direct",
                     f"{ratio:.3f}", ratio >= TOKENS_RATIO))
     return out
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64,
                         help="tokens per llama-server generation (default %(default)s)")
     parser.add_argument("--llama-rounds", type=int, default=None,
-                        help="llama-server generations per target (default 6; --quick 3)")
+                        help="llama-server generations per target (default 10; --quick 4)")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama-server part")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (configs and logs)")
@@ -635,9 +635,10 @@ def main(argv: list[str] | None = None) -> int:
                         .split(",")]
     args.rounds = args.rounds or (2 if quick else 3)
     args.round_s = args.round_s or (1.0 if quick else 2.0)
-    args.llama_rounds = args.llama_rounds or (3 if quick else 6)
+    args.llama_rounds = args.llama_rounds or (4 if quick else 10)
     args.warm = min(0.25, args.round_s / 4)
     start = time.perf_counter()
+    load_before = os.getloadavg()[0]
     notes: list[str] = []
     try:
         asyncio.run(run(args, notes))
@@ -646,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         console.print(f"note: {note}")
     console.print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, aiohttp "
-                  f"{aiohttp.__version__}; total {time.perf_counter() - start:.0f} s",
+                  f"{aiohttp.__version__}; load average {load_before:.1f} before, "
+                  f"{os.getloadavg()[0]:.1f} after; total {time.perf_counter() - start:.0f} s",
                   style="dim")
     return 0
 

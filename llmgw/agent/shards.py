@@ -100,6 +100,10 @@ class ShardSupervisor:
                      record.pid)
             self._records[record.unit] = record
             self._tasks[record.unit] = asyncio.create_task(self._watch(record, adopted=True))
+        for unit in set(self._sidecars) - set(self._records):
+            # Its engine died while no agent ran: nothing is left for the sidecar to serve.
+            log.info("stopping the sidecars of %s, whose engine is gone", unit)
+            self._spawn(self._stop_sidecars(unit))
         return len(self._records)
 
     def start(self, msg: wire.StartShard) -> None:
@@ -221,6 +225,11 @@ class ShardSupervisor:
                 port=sc.port, health_path=None, tcp_ready=sc.port is not None, gpus=(),
                 startup_timeout_s=sc.startup_timeout_s, sidecar_of=record.unit)
             self._report(self._status(record, "starting", detail=f"starting sidecar {sc.name}"))
+            if sc.port is not None and not host.port_free("127.0.0.1", sc.port):
+                raise ShardStartError(
+                    f"sidecar {sc.name}'s port {sc.port} is already in use on this node "
+                    "(another shard of this profile, or another program): a sidecar's port "
+                    "is fixed, so one shard of the profile per node")
             env = {**gpu_env(tuple(msg.gpus)), **sc.env}
             sidecar = await self._runtime.start(sidecar, tuple(sc.command), env)
             self._sidecars.setdefault(record.unit, []).append(sidecar)
@@ -283,7 +292,7 @@ class ShardSupervisor:
             how = why or ("exited" if code is None else f"exited with code {code}")
             if unit != record.unit:
                 how = f"sidecar {unit.removeprefix(record.unit + '-')} {how}"
-            self._finish(record, how, code)
+            self._finish(record, how, code, tail_of=unit)
         finally:
             exit_task.cancel()
 
@@ -291,7 +300,10 @@ class ShardSupervisor:
         """The GPUs given to the shard that none of its processes holds memory on. An
         engine whose CUDA backend fails to load may fall back to the CPU and answer its
         health check all the same (llama.cpp does): ready would be a lie."""
-        if not record.gpus:
+        # Only a single-node shard that serves: a rank that serves nothing is "ready" the
+        # moment it runs, long before it loads anything, and a multi-node engine's GPU
+        # memory may sit in processes outside this shard's tree (Ray's workers).
+        if not record.gpus or record.world_size > 1 or self._health_address(record) is None:
             return []
         missing: list[int] | None = []
         deadline = time.monotonic() + _GPU_SETTLE_S
@@ -370,12 +382,14 @@ class ShardSupervisor:
                 log.warning("%s fails its health check: %s", record.unit, why)
                 self._set(record, "unhealthy", detail=why)
 
-    def _finish(self, record: ShardRecord, how: str, code: int | None) -> None:
+    def _finish(self, record: ShardRecord, how: str, code: int | None,
+                tail_of: str | None = None) -> None:
+        """Report the shard failed, with the last output of whichever unit ended it."""
         if record.unit in self._stopping or record.unit not in self._records:
             return
         del self._records[record.unit]
         self._states.pop(record.unit, None)
-        tail = self._runtime.output_tail(record.unit)
+        tail = self._runtime.output_tail(tail_of or record.unit)
         log.warning("%s %s; last output:\n%s", record.unit, how, "\n".join(tail[-5:]))
         self._report(self._status(record, "failed", detail=how, exit_code=code,
                                   output_tail=tail))
@@ -388,8 +402,8 @@ class ShardSupervisor:
 
     def own_ports(self) -> set[int]:
         """Ports our shards hold, those still stopping included."""
-        records = [*self._records.values(), *self._stopping_records.values(),
-                   *(s for group in self._sidecars.values() for s in group)]
+        # Sidecars' ports are not ours to give: reported busy, placement keeps off them.
+        records = [*self._records.values(), *self._stopping_records.values()]
         return {r.port for r in records if r.port is not None}
 
     async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:

@@ -257,7 +257,8 @@ def status(args):
         # While starting, the shards' own words say what they are doing ("fetching …").
         doing = "; ".join(f"rank {s['rank']}: {s['detail']}" for s in r["shards"]
                           if s["detail"] and s["state"] != "ready")
-        replicas.add_row(r["id"], r["model"], r["state"], where, r["reason"] or doing)
+        replicas.add_row(r["id"], r["model"], r["state"], where,
+                         doing if r["state"] == "starting" and doing else r["reason"])
     console.print(replicas)
 
 

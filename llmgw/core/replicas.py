@@ -31,7 +31,7 @@ class Shard:
     address: str
     port: int | None
     gpus: tuple[int, ...] = ()
-    state: str = "starting"  # starting | ready | failed | stopped
+    state: str = "starting"  # starting | ready | unhealthy | failed | stopped
     detail: str = ""
     output_tail: tuple[str, ...] = ()
 
@@ -172,6 +172,11 @@ def adopt(
         )
     elif replica.epoch > epoch:
         return replica
+    elif shard.state != "ready":
+        # A known replica whose node came back with a shard not (yet) ready: its startup
+        # clock starts again now, or a replica older than its startup timeout would be
+        # reaped the moment its agent restarts.
+        replica = replace(replica, created_at=now)
     shards = tuple(sorted([*(s for s in replica.shards if s.rank != shard.rank), shard],
                           key=lambda s: s.rank))
     return _settle(replace(replica, shards=shards), now)

@@ -146,19 +146,25 @@ def choose(targets: Sequence[T], rng: random.Random, *, ring: Ring | None = None
     return two_choices(targets, rng, exclude)
 
 
-def affinity_key(user: str | None, conversation: bytes,
+_ABSENT = (b"", b"null", b'""', b"[]")
+
+
+def affinity_key(user: str | bytes | None, conversation: bytes,
                  prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> bytes | None:
     """The key that keeps a client on one replica: its ``user``, else the first bytes of
-    its conversation (the ``messages`` or ``prompt`` JSON as sent).
+    its conversation (the ``messages`` or ``prompt`` JSON as sent). ``user`` may be the
+    field's raw JSON; ``null`` or ``""`` count as no user.
 
     The prefix is what later turns of a conversation share with the first, and what the
     engine's prefix cache can reuse. A conversation shorter than ``prefix_bytes`` gets a
     new key on its next turn; a smaller ``prefix_bytes`` keeps keys longer, at the price of
     grouping conversations that share a system prompt (which share cached tokens anyway).
     """
-    if user:
-        return b"user:" + user.encode()
-    if conversation and conversation not in (b"null", b"[]", b'""'):
+    if isinstance(user, str):
+        user = user.encode()
+    if user and user not in _ABSENT:
+        return b"user:" + user
+    if conversation not in _ABSENT:
         return b"conv:" + conversation[:prefix_bytes]
     return None
 

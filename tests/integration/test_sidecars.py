@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 
 import psutil
@@ -76,3 +77,23 @@ def test_a_sidecar_that_never_answers_fails_the_shard_before_the_engine_starts(m
     # No engine was launched for it, and the sidecar was stopped.
     assert "llmgw.sim" not in (agent.log.read_text())
     wait_for(lambda: agent.shard_records() == [], 10, "the sidecar's record to go")
+
+
+def test_a_sidecar_port_already_taken_is_refused_with_the_reason(make_cluster):
+    port = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()
+    try:
+        c = make_cluster(models=[_model(port)])
+        c.start_server()
+        agent = c.add_agent("node-a")
+        log = c.root / "server.log"
+        line = wait_for(lambda: next((ln for ln in log.read_text().splitlines()
+                                      if f"port {port} is already in use" in ln), None),
+                        30, "the refusal")
+        assert "sidecar helper's" in line and "one shard of the profile per node" in line
+        # Nothing was started for it: neither the sidecar nor the engine.
+        assert "started sidecar" not in agent.log.read_text()
+    finally:
+        squatter.close()

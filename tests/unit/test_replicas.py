@@ -194,6 +194,20 @@ def test_adopt_with_every_rank_but_one_starting_is_not_ready() -> None:
     assert replica.missing_ranks() == []
 
 
+def test_a_long_running_replica_whose_agent_restarts_gets_a_fresh_startup_clock() -> None:
+    # Ready for an hour; its agent restarts and reports the shard starting until its first
+    # health check: it must not look "not ready after 600 s".
+    old = adopt_one(adopt_one(None, shard(0, "node01"), world_size=1, now=100.0),
+                    shard(0, "node01"), world_size=1, now=100.0)
+    assert old.state is ReplicaState.READY and old.created_at == 100.0
+
+    back = adopt_one(old, shard(0, "node01", state="starting"), world_size=1, now=3700.0)
+
+    assert back.state is ReplicaState.STARTING and back.created_at == 3700.0
+    ready = adopt_one(back, shard(0, "node01"), world_size=1, now=3701.0)
+    assert ready.state is ReplicaState.READY and ready.created_at == 3700.0
+
+
 def test_adopt_a_rank_again_replaces_it() -> None:
     replica = adopt_one(None, shard(0, "node01", port=20000))
     replica = adopt_one(replica, shard(0, "node01", port=20010))

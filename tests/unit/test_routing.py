@@ -198,6 +198,8 @@ def test_the_affinity_key_is_the_user_else_the_start_of_the_conversation():
     assert routing.affinity_key("alice", b'[{"role":"user"}]') == b"user:alice"
     long = b'[{"role":"system","content":"' + b"x" * 1000 + b'"}]'
     assert routing.affinity_key(None, long, prefix_bytes=64) == b"conv:" + long[:64]
+    assert routing.affinity_key(b'"alice"', b"[]") == b'user:"alice"', "raw JSON will do"
+    assert routing.affinity_key(b"null", b"[1]") == b"conv:[1]"
     assert routing.affinity_key("", b"") is None
     assert routing.affinity_key(None, b"null") is None
 
@@ -401,3 +403,15 @@ async def test_the_same_key_returns_to_the_same_replica():
         spread.add(lease.replica)
         lease.release()
     assert spread == {"a", "b", "c", "d"}, "different keys land on different replicas"
+
+
+async def test_a_lease_dropped_without_release_frees_its_slot(caplog):
+    r = router(("a", 1))
+    lease = await r.acquire("m")
+    waiter = asyncio.create_task(r.acquire("m", wait_s=5))
+    await settle()
+    del lease  # as a stream generator that never started is dropped
+    served = await asyncio.wait_for(waiter, 1)
+    assert served.replica == "a" and "dropped without release" in caplog.text
+    served.release()
+    assert r.in_flight() == {"a": 0}

@@ -10,6 +10,15 @@ from typing import Protocol
 
 import msgspec
 
+# What systemd sets for the agent's own service: it describes the agent's unit (its
+# notify socket, credentials, directories), never a shard's; no runtime passes it on.
+AGENT_ONLY_ENV = frozenset({
+    "NOTIFY_SOCKET", "INVOCATION_ID", "JOURNAL_STREAM", "LISTEN_PID", "LISTEN_FDS",
+    "LISTEN_FDNAMES", "WATCHDOG_PID", "WATCHDOG_USEC", "MANAGERPID", "SYSTEMD_EXEC_PID",
+    "CREDENTIALS_DIRECTORY", "RUNTIME_DIRECTORY", "STATE_DIRECTORY", "CACHE_DIRECTORY",
+    "LOGS_DIRECTORY", "CONFIGURATION_DIRECTORY",
+})
+
 
 class ShardRecord(msgspec.Struct, kw_only=True, frozen=True):
     """A running shard as the runtime remembers it; enough to report it for adoption."""

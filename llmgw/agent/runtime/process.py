@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import psutil
 
-from llmgw.agent.runtime.base import ShardRecord, ShardStartError
+from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class ProcessRuntime:
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
-                    env={**os.environ, **env},
+                    env={**{k: v for k, v in os.environ.items() if k not in AGENT_ONLY_ENV},
+                         **env},
                     start_new_session=True,
                 )
             except OSError as err:
@@ -102,6 +103,7 @@ class ProcessRuntime:
                 found.append(record)
             else:
                 path.unlink(missing_ok=True)
+                self._log_path(path.stem).unlink(missing_ok=True)
         return found
 
     async def wait_exit(self, unit: str) -> int | None:

@@ -49,7 +49,7 @@ import msgspec
 from dbus_fast import DBusError, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from llmgw.agent.runtime.base import ShardRecord, ShardStartError
+from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError
 from llmgw.agent.runtime.systemd_bus import (
     DEST,
     MANAGER,
@@ -84,14 +84,7 @@ _CLD_KILLED, _CLD_DUMPED = 2, 3
 _SETUP_STATUS = {200: "could not change to its working directory",
                  203: "could not be executed", 209: "could not set up its output"}
 
-# What systemd sets for the agent's own service: it describes the agent's unit (its
-# notify socket, credentials, directories), never a shard's.
-_AGENT_ONLY_ENV = frozenset({
-    "NOTIFY_SOCKET", "INVOCATION_ID", "JOURNAL_STREAM", "LISTEN_PID", "LISTEN_FDS",
-    "LISTEN_FDNAMES", "WATCHDOG_PID", "WATCHDOG_USEC", "MANAGERPID", "SYSTEMD_EXEC_PID",
-    "CREDENTIALS_DIRECTORY", "RUNTIME_DIRECTORY", "STATE_DIRECTORY", "CACHE_DIRECTORY",
-    "LOGS_DIRECTORY", "CONFIGURATION_DIRECTORY", _RECORD_VAR,
-})
+_AGENT_ONLY_ENV = AGENT_ONLY_ENV | {_RECORD_VAR}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 

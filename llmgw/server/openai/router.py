@@ -18,6 +18,7 @@ Everything here runs on the event loop thread: the counts need no lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import weakref
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from llmgw.core import routing
 
+log = logging.getLogger(__name__)
 DEFAULT_SLOTS = 64
 DEFAULT_QUEUE_MAX = 1024
 DEFAULT_QUEUE_WAIT_S = 30.0
@@ -97,6 +99,19 @@ class Lease:
         if pool is not None:
             pool.total -= 1
             pool.hand_off(endpoint)
+
+    def __del__(self) -> None:
+        # The safety net for a lease nobody released: a stream whose generator never
+        # started (the client left before the first chunk) runs no ``finally``. Without
+        # this its slot would stay taken for good. Deferred to the loop, so that a
+        # collection in the middle of a hand-off does not reenter it.
+        if self._released:
+            return
+        log.warning("a lease on %s was dropped without release; releasing it", self.replica)
+        try:
+            asyncio.get_running_loop().call_soon(self.release)
+        except RuntimeError:
+            self.release()
 
     def __repr__(self) -> str:
         return f"Lease({self.replica}{', released' if self._released else ''})"
