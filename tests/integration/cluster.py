@@ -32,6 +32,7 @@ import httpx  # test-side only: a plain blocking client for polling; never on ll
 import psutil
 import yaml
 
+from llmgw.agent.runtime import SystemdRuntime
 from llmgw.server.auth import create_api_key
 from llmgw.store import open_store, sqlite_url
 
@@ -105,6 +106,7 @@ class AgentProc:
     log: Path
     proc: subprocess.Popen | None = None
     prefix: tuple[str, ...] = ()
+    systemd_bus: str | None = None  # its shards are units on this (test) manager
 
     def start(self) -> None:
         self.proc = _start(["agent", "--config", str(self.config_path)], self.log, self.prefix)
@@ -148,6 +150,9 @@ class AgentProc:
     def stop(self) -> None:
         if self.proc is not None:
             _stop_group(self.proc)
+        if self.systemd_bus:
+            # Units outlive their agent by design; the manager is this test session's own.
+            asyncio.run(_stop_units(self.systemd_bus, self.state_dir))
         # Shards run in their own sessions so that they outlive a crashed agent; stop the
         # ones this agent's records name, checking each PID is still the same process.
         for record in self.shard_records():
@@ -157,6 +162,15 @@ class AgentProc:
                     os.killpg(record["pid"], signal.SIGKILL)
             except (psutil.Error, ProcessLookupError, KeyError):
                 continue
+
+
+async def _stop_units(bus: str, state_dir: Path) -> None:
+    runtime = SystemdRuntime(bus, state_dir)
+    try:
+        for record in await runtime.running():
+            await runtime.stop(record.unit)
+    finally:
+        await runtime.close()
 
 
 @dataclass
@@ -237,7 +251,9 @@ class Cluster:
         path = self.root / f"agent-{node_id}.yaml"
         path.write_text(yaml.safe_dump(config))
         agent = AgentProc(node_id, path, state, self.root / f"agent-{node_id}.log",
-                          prefix=tuple(prefix))
+                          prefix=tuple(prefix),
+                          systemd_bus=config.get("systemd_bus")
+                          if config.get("runtime") == "systemd" else None)
         agent.start()
         self.agents[node_id] = agent
         return agent
