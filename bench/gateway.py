@@ -71,17 +71,19 @@ console = Console(width=110) if not sys.stdout.isatty() else Console()
 # --- CPU from /proc ------------------------------------------------------------------------
 
 
-def _ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state, ppid, ... (empty
+    when the process is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[1])
+        return []
 
 
 def process_tree(root: int) -> list[int]:
     """``root`` and every process below it (this kernel has no /proc/*/task/*/children)."""
-    parents = {int(p): _ppid(int(p)) for p in os.listdir("/proc") if p.isdigit()}
+    parents = {int(p): int((_stat(int(p)) or [0, 0])[1]) for p in os.listdir("/proc")
+               if p.isdigit()}
     tree, frontier = [root], [root]
     while frontier:
         frontier = [pid for pid, parent in parents.items() if parent in frontier]
@@ -117,12 +119,7 @@ _TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 
 def stat_ns(pids: list[int]) -> int:
     """utime + stime of ``pids`` (threads that exited included), in ns, tick-grained."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += int(fields[11]) + int(fields[12])
-    return int(total * _TICK_NS)
+    return int(sum(int(f[11]) + int(f[12]) for f in map(_stat, pids) if f) * _TICK_NS)
 
 
 # --- the processes -------------------------------------------------------------------------
@@ -149,21 +146,13 @@ def stop(pid: int, timeout_s: float = 15.0) -> None:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == pid:
                 return
-        if not Path(f"/proc/{pid}").exists() or "(Z)" in _state(pid):
+        if _stat(pid)[:1] in ([], ["Z"]):  # gone, or a zombie its parent will reap
             return
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return "(" + stat.rpartition(")")[2].split()[0] + ")"
 
 
 def llama_files() -> tuple[Path, Path] | None:
@@ -244,6 +233,11 @@ class Cluster:
     urls: dict[str, str] = field(default_factory=dict)
     llama_url: str | None = None  # the real llama-server, direct
 
+    def gateways(self) -> dict[str, list[int]]:
+        """The processes whose CPU is the gateway's, per target."""
+        return {"direct": [], "floor": process_tree(self.procs["floor"].pid),
+                "llmgw": process_tree(self.procs["server"].pid)}
+
     def stop(self) -> None:
         """The floor, the agent (which stops its engines), the server; then any engine
         the agent left behind, by PID."""
@@ -255,7 +249,7 @@ class Cluster:
             if name in self.procs:
                 stop(self.procs[name].pid)
         for pid in self.engine_pids:
-            if Path(f"/proc/{pid}").exists():
+            if _stat(pid):
                 stop(pid, 5.0)
 
 
@@ -374,16 +368,16 @@ async def run_round(http: aiohttp.ClientSession, url: str, data: bytes, stream: 
     out.engine_ns += cpu_ns(engine) - e0
 
 
-def rotations(rounds: int) -> Iterator[tuple[str, ...]]:
+def rotations(targets: tuple[str, ...], rounds: int) -> Iterator[tuple[str, ...]]:
+    """The targets in turn, each round starting one further along."""
     for r in range(rounds):
-        k = r % len(TARGETS)
-        yield TARGETS[k:] + TARGETS[:k]
+        k = r % len(targets)
+        yield targets[k:] + targets[:k]
 
 
 async def measure(cluster: Cluster, args: argparse.Namespace
                   ) -> dict[tuple[bool, int, str], Cell]:
-    gateways = {"direct": [], "floor": process_tree(cluster.procs["floor"].pid),
-                "llmgw": process_tree(cluster.procs["server"].pid)}
+    gateways = cluster.gateways()
     cells: dict[tuple[bool, int, str], Cell] = {}
     sessions = {t: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=60))
@@ -397,7 +391,7 @@ async def measure(cluster: Cluster, args: argparse.Namespace
                 for target in TARGETS:  # warm: connections open, code paths hot
                     await run_round(sessions[target], cluster.urls[target], data, stream,
                                     conc, args.warm, args.max_requests, args.events)
-                for order in rotations(args.rounds):
+                for order in rotations(TARGETS, args.rounds):
                     for target in order:
                         cell = cells.setdefault((stream, conc, target), Cell())
                         await run_round(sessions[target], cluster.urls[target], data, stream,
@@ -412,8 +406,7 @@ async def measure(cluster: Cluster, args: argparse.Namespace
 async def idle_cpu(cluster: Cluster, seconds: float = 3.0) -> dict[str, float]:
     """µs of CPU per second each gateway uses doing nothing: llmgw's controller passes
     (every 2 s) and the agent's heartbeats (every 3 s) run in the gateway's process."""
-    pids = {"floor": process_tree(cluster.procs["floor"].pid),
-            "llmgw": process_tree(cluster.procs["server"].pid)}
+    pids = {t: p for t, p in cluster.gateways().items() if p}
     before = {t: cpu_ns(p) for t, p in pids.items()}
     await asyncio.sleep(seconds)
     return {t: (cpu_ns(p) - before[t]) / 1e3 / seconds for t, p in pids.items()}
@@ -446,8 +439,8 @@ async def measure_llama(cluster: Cluster, rounds: int, tokens: int
                                      connector=aiohttp.TCPConnector(force_close=True)) as http:
         for url in urls.values():  # warm: the prompt is in llama-server's cache for both
             await one_request(http, url, data, True)
-        for r in range(rounds):
-            for target in list(urls)[r % 2:] + list(urls)[:r % 2]:
+        for order in rotations(tuple(urls), rounds):
+            for target in order:
                 try:
                     status, took, first, events = await one_request(http, urls[target], data,
                                                                     True)
@@ -505,8 +498,9 @@ def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
             added = "-" if target == "direct" else _ms(
                 pct(times, 0.5) - pct(direct.firsts if stream else direct.latencies, 0.5))
             gateway = "-" if target == "direct" else f"{cpu_per(cell, stream):.1f}"
-            ratio = "-" if target == "direct" else \
-                f"{cpu_per(cell, stream) / cpu_per(floor, stream):.1f}"
+            floor_cpu = cpu_per(floor, stream)
+            ratio = "-" if target == "direct" or not floor_cpu else \
+                f"{cpu_per(cell, stream) / floor_cpu:.1f}"
             count = f"{cell.requests}" + (f" ({cell.errors} err)" if cell.errors else "")
             rate = (cell.events if stream else cell.requests) / cell.wall_s
             row = [target, f"{conc}", count, f"{rate:.0f}", gateway]

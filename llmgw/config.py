@@ -107,6 +107,9 @@ class Profile(_Config):
     # a refusal with this set.
     require_avx2: bool = False
     sidecars: list[Sidecar] = []
+    # Requests one replica serves at once (the engine's batch: llama.cpp --parallel, vLLM
+    # --max-num-seqs); more wait in the gateway's queue.
+    slots: Annotated[int, msgspec.Meta(ge=1)] = 64
 
 
 class Selector(_Config):
@@ -136,6 +139,14 @@ class Gateway(_Config):
     # Between two chunks of a streamed answer: a half-open engine ends the stream with an
     # error event after this long.
     idle_timeout_s: PositiveSeconds = 120.0
+    # When every replica of a model is at its slots: at most this many requests wait, each
+    # at most queue_wait_s, then 429 with Retry-After.
+    queue_max: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # Same `user` or conversation start to the same replica (its prefix cache), while that
+    # replica holds at most (1 + affinity_epsilon) times the average load.
+    affinity: bool = True
+    affinity_epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.25
 
 
 class ServerConfig(_Config):

@@ -48,6 +48,7 @@ class Profile:
     launch_mode: str = "mp"
     require_avx2: bool = False
     sidecars: tuple[Sidecar, ...] = ()
+    slots: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 launch_mode=p.launch_mode,
                 require_avx2=p.require_avx2,
                 sidecars=tuple(sidecars),
+                slots=p.slots,
             )
         )
     return Model(

@@ -96,7 +96,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     controller = Controller(catalog, store, NodeSessions(timeouts), policy,
                             interval_s=config.controller.interval_s,
                             heartbeat_interval_s=config.nodes.heartbeat_interval_s)
-    router = Router()
+    router = Router(queue_max=config.gateway.queue_max,
+                    queue_wait_s=config.gateway.queue_wait_s,
+                    epsilon=config.gateway.affinity_epsilon)
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
     controller.load = router.in_flight
     auth = config.auth

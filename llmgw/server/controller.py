@@ -352,13 +352,16 @@ class Controller:
         for listener in self._listeners:
             listener(self)
 
-    def ready_endpoints(self) -> dict[str, list[tuple[str, str, int]]]:
-        """Per model, the (replica, address, port) of every replica ready to serve."""
-        routes: dict[str, list[tuple[str, str, int]]] = {}
+    def ready_endpoints(self) -> dict[str, list[tuple[str, str, int, int | None]]]:
+        """Per model, the (replica, address, port, slots) of every replica ready to serve."""
+        routes: dict[str, list[tuple[str, str, int, int | None]]] = {}
         for replica in self.replicas.values():
             endpoint = replica.endpoint()
             if endpoint is not None:
-                routes.setdefault(replica.model, []).append((replica.id, *endpoint))
+                model = self.catalog.get(replica.model)
+                profile = model.profile(replica.profile) if model else None
+                routes.setdefault(replica.model, []).append(
+                    (replica.id, *endpoint, profile.slots if profile else None))
         return routes
 
     def why_not_ready(self, model: str) -> str:

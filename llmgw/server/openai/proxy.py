@@ -20,7 +20,7 @@ from litestar.response import Stream
 
 from llmgw.config import Gateway
 from llmgw.server.errors import ApiError
-from llmgw.server.openai.router import Endpoint
+from llmgw.server.openai.router import Lease
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
         pass
 
 
-async def forward(http: aiohttp.ClientSession, endpoint: Endpoint, path: str, body: bytes,
+async def forward(http: aiohttp.ClientSession, endpoint: Lease, path: str, body: bytes,
                   stream: bool, gateway: Gateway,
                   receive: Callable[[], Awaitable[dict]] | None = None) -> Response:
     """Forward one request. ``receive`` (the ASGI receive of the client's request) lets a
@@ -80,17 +80,10 @@ async def forward(http: aiohttp.ClientSession, endpoint: Endpoint, path: str, bo
     raise ClientGone(endpoint.replica)
 
 
-async def _forward(http: aiohttp.ClientSession, endpoint: Endpoint, path: str, body: bytes,
+async def _forward(http: aiohttp.ClientSession, endpoint: Lease, path: str, body: bytes,
                    stream: bool, gateway: Gateway) -> Response:
-    endpoint.in_flight += 1
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            endpoint.in_flight -= 1
-
+    # Released when the answer is done, or at once when this raises.
+    release = endpoint.release
     try:
         async with asyncio.timeout(gateway.first_byte_timeout_s):
             upstream = await http.post(

@@ -64,9 +64,6 @@ class Endpoint:
     slots: int = DEFAULT_SLOTS
     # Leases held: what routing counts and bounds by ``slots``.
     outstanding: int = 0
-    # Upstream requests open; counted by proxy.forward itself until it takes a lease's
-    # release as its ``on_done`` (then this field can go).
-    in_flight: int = 0
     # The model's pool while this replica is in the table; None once it left.
     pool: _Pool | None = field(default=None, repr=False)
 
@@ -124,8 +121,8 @@ class _Waiter:
 
 
 class _Pool:
-    """One model's ready replicas, its ring and its queue; lives as long as the model has
-    replicas or waiters."""
+    """One model's ready replicas, their ring and the model's queue; kept across table
+    updates while the model is in the table, so its waiters stay in line."""
 
     __slots__ = ("endpoints", "ring", "total", "waiters")
 
@@ -292,16 +289,8 @@ class Router:
 
     def in_flight(self) -> dict[str, int]:
         """Requests each ready replica is serving (the controller reads it as load)."""
-        # ``max``: leases cover the upstream request, so once routes take leases the two
-        # agree or ``outstanding`` is larger; before, only ``in_flight`` counts.
-        return {e.replica: max(e.outstanding, e.in_flight)
+        return {e.replica: e.outstanding
                 for pool in self._pools.values() for e in pool.endpoints}
-
-    def candidates(self, model: str) -> list[Endpoint]:
-        """Ready replicas of ``model``, least busy first. For routes.py until it takes
-        leases through :meth:`acquire`; then remove."""
-        pool = self._pools.get(model)
-        return sorted(pool.endpoints if pool else (), key=lambda e: e.in_flight)
 
 
 def _settled(future: asyncio.Future) -> bool:

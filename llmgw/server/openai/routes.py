@@ -8,9 +8,11 @@ from datetime import UTC, datetime
 import msgspec
 from litestar import Request, Response, get, post
 
+from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer, check_api_key
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.proxy import ClientGone, Retryable, forward
+from llmgw.server.openai.router import Saturated
 
 # Replicas tried for one request before giving up, when the first ones refuse outright.
 _MAX_ATTEMPTS = 3
@@ -25,6 +27,8 @@ class _Head(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw()
     prompt: msgspec.Raw = msgspec.Raw()
     input: msgspec.Raw = msgspec.Raw()
+    # Raw too: only a key for affinity, whatever type a client sends.
+    user: msgspec.Raw = msgspec.Raw()
 
 
 _head_decoder = msgspec.json.Decoder(_Head)
@@ -91,14 +95,24 @@ async def _proxy(request: Request, path: str, required: str | None) -> Response:
     head = _parse(body, required)
     _model_or_404(request, head.model, allowed)
     state = request.app.state
-    candidates = state.router.candidates(head.model)
+    key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
+           if state.config.gateway.affinity else None)
+    tried: set[str] = set()
     refusals = []
-    for endpoint in candidates[:_MAX_ATTEMPTS]:
+    for _ in range(_MAX_ATTEMPTS):
         try:
-            return await forward(state.http, endpoint, path, body, head.stream,
+            lease = await state.router.acquire(head.model, key, exclude=tried)
+        except Saturated as err:
+            raise ApiError(429, str(err), code=err.code,
+                           headers={"retry-after": str(err.retry_after_s)}) from None
+        if lease is None:
+            break
+        try:
+            return await forward(state.http, lease, path, body, head.stream,
                                  state.config.gateway, request.receive)
         except Retryable as err:
             refusals.append(str(err))
+            tried.add(lease.replica)
         except ClientGone:
             # Nobody to answer; 499 as nginx logs it, for the access log only.
             return Response(b"", status_code=499)
