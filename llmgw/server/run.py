@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -71,9 +72,20 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, granian.stop)
         log.info("serving on http://%s:%d", config.listen.host, config.listen.port)
+        _tune_gc()
         task = asyncio.create_task(granian.serve())
         if ready is not None:
             ready.set()
         await task
     finally:
         await store.close()
+
+
+def _tune_gc() -> None:
+    """What is loaded at start lives for the process's life: freeze it out of the cyclic
+    collector's view, and collect the young generation less often. Each proxied request
+    allocates a few hundred short-lived objects; with the default threshold (700) a
+    collection ran every few requests (measured: about 15 % of the gateway's CPU)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 50)
