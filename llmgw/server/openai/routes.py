@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import difflib
+import logging
 from datetime import UTC, datetime
 
 import msgspec
-from litestar import Request, Response, get, post
+from litestar import Request, asgi, get
+from litestar.types import Receive, Scope, Send
 
 from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer, check_api_key
-from llmgw.server.errors import ApiError
-from llmgw.server.openai.proxy import ClientGone, Retryable, forward
+from llmgw.server.errors import ApiError, error_body
+from llmgw.server.openai.proxy import Retryable, forward
 from llmgw.server.openai.router import Saturated
+
+log = logging.getLogger(__name__)
+
+# The largest request body taken: prompts with images run to megabytes, not more.
+MAX_BODY = 32 * 2**20
+
+
+class ClientGone(Exception):
+    """The client went away before its answer was done; nothing more is sent."""
 
 # Replicas tried for one request before giving up, when the first ones refuse outright.
 _MAX_ATTEMPTS = 3
@@ -59,12 +71,18 @@ def _parse(body: bytes, required: str | None) -> _Head:
     return head
 
 
-async def _authorize(request: Request) -> list[str] | None:
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _authorize(state, authorization: str | None) -> list[str] | None:
     """Check the API key; returns the models it may use (``None``: all)."""
-    state = request.app.state
     if not state.config.auth.require_api_key:
         return None
-    key = bearer(request.headers.get("authorization"))
+    key = bearer(authorization)
     if key is None:
         raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
                        code="missing_api_key")
@@ -74,11 +92,11 @@ async def _authorize(request: Request) -> list[str] | None:
     return record.allowed_models
 
 
-def _model_or_404(request: Request, name: str, allowed: list[str] | None) -> None:
-    catalog = request.app.state.controller.catalog
-    visible = [m for m in catalog.names() if allowed is None or m in allowed]
-    if name in visible:
+def _model_or_404(state, name: str, allowed: list[str] | None) -> None:
+    catalog = state.controller.catalog
+    if catalog.get(name) is not None and (allowed is None or name in allowed):
         return
+    visible = [m for m in catalog.names() if allowed is None or m in allowed]
     if catalog.get(name) is not None:
         raise ApiError(403, f"this API key may not use model {name!r}", param="model",
                        code="model_not_allowed")
@@ -89,14 +107,102 @@ def _model_or_404(request: Request, name: str, allowed: list[str] | None) -> Non
                    code="model_not_found")
 
 
-async def _proxy(request: Request, path: str, required: str | None) -> Response:
-    allowed = await _authorize(request)
-    body = await request.body()
+async def _body(receive: Receive) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY // 2**20} MiB",
+                           code="body_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send_error(send: Send, err: ApiError) -> None:
+    headers = [(b"content-type", b"application/json"),
+               *((k.encode(), v.encode()) for k, v in (err.headers or {}).items())]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body",
+                "body": error_body(err.status, err.message, code=err.code, param=err.param)})
+
+
+async def _gateway(scope: Scope, receive: Receive, send: Send, path: str,
+                   required: str | None) -> None:
+    """One /v1 request, on a thin ASGI path: this is the hot route, and Litestar's request
+    and response objects cost more than everything else llmgw does for it."""
+    if scope["method"] != "POST":
+        return await _send_error(send, ApiError(405, f"{path} does not take "
+                                                f"{scope['method']}", code="method_not_allowed"))
+    started = False
+
+    async def tracked_send(message: dict) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
+    try:
+        await _serve(scope, receive, tracked_send, path, required)
+    except ClientGone:
+        pass  # nobody to answer
+    except ApiError as err:
+        if not started:
+            await _send_error(send, err)
+    except Exception:
+        log.exception("unexpected error serving POST %s", path)
+        if not started:
+            await _send_error(send, ApiError(500, "internal error; the server's log has the "
+                                             "details", code="internal_error"))
+
+
+async def _serve(scope: Scope, receive: Receive, send: Send, path: str,
+                 required: str | None) -> None:
+    state = scope["litestar_app"].state
+    allowed = await _authorize(state, _header(scope, b"authorization"))
+    body = await _body(receive)
     head = _parse(body, required)
-    _model_or_404(request, head.model, allowed)
-    state = request.app.state
+    _model_or_404(state, head.model, allowed)
+    gateway = state.config.gateway
     key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
-           if state.config.gateway.affinity else None)
+           if gateway.affinity else None)
+
+    # One watcher task for the whole request, which cancels this one if the client goes:
+    # the upstream request is then closed and the engine stops generating for nobody.
+    handler = asyncio.current_task()
+    watching = True
+    gone = False
+
+    def on_disconnect(watcher: asyncio.Task) -> None:
+        nonlocal gone
+        if watching and not watcher.cancelled() and watcher.exception() is None:
+            gone = True
+            handler.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(_until_disconnect(receive))
+    watcher.add_done_callback(on_disconnect)
+    try:
+        await _route(state, head, key, path, body, send)
+    except asyncio.CancelledError:
+        if gone and handler.uncancel() == 0:
+            raise ClientGone from None
+        raise
+    finally:
+        watching = False
+        watcher.cancel()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
+                 send: Send) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):
@@ -109,43 +215,42 @@ async def _proxy(request: Request, path: str, required: str | None) -> Response:
             break
         try:
             return await forward(state.http, lease, path, body, head.stream,
-                                 state.config.gateway, request.receive)
+                                 state.config.gateway, send)
         except Retryable as err:
             refusals.append(str(err))
             tried.add(lease.replica)
-        except ClientGone:
-            # Nobody to answer; 499 as nginx logs it, for the access log only.
-            return Response(b"", status_code=499)
     why = "; ".join(refusals) if refusals else state.controller.why_not_ready(head.model)
     raise ApiError(503, f"no replica of {head.model!r} can take the request: {why}",
                    code="no_ready_replica", headers={"retry-after": "5"})
 
 
-@post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _proxy(request, "/v1/chat/completions", "messages")
+@asgi("/v1/chat/completions", copy_scope=False)
+async def chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+    await _gateway(scope, receive, send, "/v1/chat/completions", "messages")
 
 
-@post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _proxy(request, "/v1/completions", "prompt")
+@asgi("/v1/completions", copy_scope=False)
+async def completions(scope: Scope, receive: Receive, send: Send) -> None:
+    await _gateway(scope, receive, send, "/v1/completions", "prompt")
 
 
-@post("/v1/embeddings")
-async def embeddings(request: Request) -> Response:
-    return await _proxy(request, "/v1/embeddings", "input")
+@asgi("/v1/embeddings", copy_scope=False)
+async def embeddings(scope: Scope, receive: Receive, send: Send) -> None:
+    await _gateway(scope, receive, send, "/v1/embeddings", "input")
 
 
-@post("/v1/{path:path}")
-async def any_model_endpoint(request: Request, path: str) -> Response:
+@asgi("/v1", is_mount=True, copy_scope=True)
+async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     """Any other POST under /v1 that names a ``model`` (responses, rerank, audio …) goes to
-    an engine serving that model as it is: new endpoints work without a new llmgw."""
-    return await _proxy(request, "/v1" + path, None)
+    an engine serving that model as it is: new endpoints work without a new llmgw. (The
+    routes above, and GET /v1/models, are matched before this mount.)"""
+    path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+    await _gateway(scope, receive, send, path.split("?", 1)[0], None)
 
 
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
-    allowed = await _authorize(request)
+    allowed = await _authorize(request.app.state, request.headers.get("authorization"))
     catalog = request.app.state.controller.catalog
     created = int(request.app.state.started_at)
     return {
