@@ -15,10 +15,13 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from datetime import date
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from llmgw.core.usage import duration_words
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
@@ -126,9 +129,43 @@ def logout(args):
     print("logged out")
 
 
+LIMIT_OPTIONS = ("rpm", "tpm", "tokens_per_day", "tokens_per_month")
+_LIMIT_SHORT = {"rpm": "rpm", "tpm": "tpm", "tokens_per_day": "tokens/day",
+                "tokens_per_month": "tokens/month"}
+_NO_LIMIT = ("none", "off", "unlimited")
+_UNSET = object()  # a limit option not given
+
+
+def _limit_value(text: str) -> int | None:
+    """``--rpm 60``; ``none`` (or off, unlimited) lifts the limit."""
+    if text.strip().lower() in _NO_LIMIT:
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a limit: give a whole number from 1 up, or none to lift it")
+    return value
+
+
+def _given_limits(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in LIMIT_OPTIONS
+            if getattr(args, name, _UNSET) is not _UNSET}
+
+
+def _limits_words(limits: dict | None) -> str:
+    """``60 rpm, 100,000 tokens/day``; empty for a key without limits."""
+    return ", ".join(f"{v:,} {_LIMIT_SHORT[k]}" for k, v in (limits or {}).items()
+                     if v is not None and k in _LIMIT_SHORT)
+
+
 def keys_create(args):
     payload = {"name": args.name, "models": args.model or None,
-               "expires_in_days": args.expires_days, "owner": args.owner}
+               "expires_in_days": args.expires_days, "owner": args.owner,
+               "limits": {k: v for k, v in _given_limits(args).items() if v is not None}
+               or None}
     reply = call(args, "POST", "/api/keys", {k: v for k, v in payload.items() if v is not None})
     if args.json:
         _print(args, reply)
@@ -138,8 +175,61 @@ def keys_create(args):
 
 
 def keys_list(args):
-    _print(args, call(args, "GET", "/api/keys"),
-           ["prefix", "name", "owner", "models", "expires_at", "revoked_at"], "API keys")
+    keys = call(args, "GET", "/api/keys")
+    if not args.json:
+        keys = [{**k, "limits": _limits_words(k.get("limits"))} for k in keys]
+    _print(args, keys, ["prefix", "name", "owner", "models", "limits", "expires_at",
+                        "revoked_at"], "API keys")
+
+
+def keys_limits(args):
+    """Set the limits given; with none given, show them and what is used of them now."""
+    change = _given_limits(args)
+    if change:
+        reply = call(args, "PATCH", f"/api/keys/{args.prefix}", {"limits": change})
+        _done(args, reply, f"{args.prefix}: {_limits_words(reply['limits']) or 'no limits'} "
+                           "(from its next request on)")
+        return
+    reply = call(args, "GET", f"/api/keys/{args.prefix}/usage")
+    if args.json:
+        _print(args, reply["limits"])
+        return
+    _print_limits(args, reply)
+
+
+def _print_limits(args: argparse.Namespace, reply: dict) -> None:
+    rows = [{"limit": row["limit"],
+             "value": "none" if row["value"] is None else f"{row['value']:,}",
+             "used now": f"{row['used']:,}",
+             "window ends in": duration_words(row["resets_in_s"])} for row in reply["limits"]]
+    _print(args, rows, ["limit", "value", "used now", "window ends in"],
+           f"limits of {reply['prefix']} (UTC windows)")
+
+
+def keys_usage(args):
+    query = [f"{name}={value}" for name, value in (("since", args.since), ("until", args.until))
+             if value]
+    path = f"/api/keys/{args.prefix}/usage" + ("?" + "&".join(query) if query else "")
+    reply = call(args, "GET", path)
+    if args.json:
+        _print(args, reply)
+        return
+    _print_limits(args, reply)
+    period = f"{reply['since']} to {reply['until']}"
+    if not reply["days"]:
+        print(f"no usage recorded from {period}")
+        return
+    _print(args, [_thousands(r) for r in reply["models"]], ["model", *_USAGE_COLUMNS],
+           f"usage per model, {period}")
+    _print(args, [_thousands(r) for r in reply["days"]], ["day", "model", *_USAGE_COLUMNS],
+           "usage per day (UTC)")
+
+
+_USAGE_COLUMNS = ["requests", "prompt_tokens", "completion_tokens", "total_tokens"]
+
+
+def _thousands(row: dict) -> dict:
+    return {**row, **{c: f"{row[c]:,}" for c in _USAGE_COLUMNS}}
 
 
 def _done(args: argparse.Namespace, reply, text: str) -> None:
@@ -289,9 +379,20 @@ def add_parsers(ctl) -> None:
                    "default: every model")
     p.add_argument("--expires-days", type=float)
     p.add_argument("--owner", help="admins: the account the key belongs to")
+    _limit_arguments(p, "admins: ")
     command(keys, "list", keys_list, "list API keys (yours; an admin sees all)")
     p = command(keys, "revoke", keys_revoke, "revoke a key; it stops working at once")
     p.add_argument("prefix", help="the key's listed prefix, llmgw_ and 12 characters")
+    p = command(keys, "limits", keys_limits, "show a key's limits and what is used of them, "
+                "or (admins) set them: the limits given change, the others stay")
+    p.add_argument("prefix", help="the key's listed prefix, llmgw_ and 12 characters")
+    _limit_arguments(p, "", lift=True)
+    p = command(keys, "usage", keys_usage, "a key's usage per model and UTC day, and its "
+                "limits now")
+    p.add_argument("prefix", help="the key's listed prefix, llmgw_ and 12 characters")
+    p.add_argument("--since", type=_date, help="first day, YYYY-MM-DD (default: 29 days "
+                   "before --until)")
+    p.add_argument("--until", type=_date, help="last day, YYYY-MM-DD (default: today, UTC)")
 
     users = ctl.add_parser("users", help="accounts (admins)").add_subparsers(
         dest="users_command", metavar="COMMAND", required=True)
@@ -323,6 +424,23 @@ def add_parsers(ctl) -> None:
     p.add_argument("--hours", type=float, default=72.0)
     p = command(ctl, "signup", signup, "show or set who may sign up: open, invite, closed")
     p.add_argument("mode", nargs="?", choices=["open", "invite", "closed"])
+
+
+def _limit_arguments(parser: argparse.ArgumentParser, who: str, lift: bool = False) -> None:
+    words = {"rpm": "requests per minute", "tpm": "tokens per minute",
+             "tokens_per_day": "tokens per UTC day", "tokens_per_month": "tokens per UTC month"}
+    for name in LIMIT_OPTIONS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_limit_value,
+                            default=_UNSET, metavar="N" + ("|none" if lift else ""),
+                            help=f"{who}at most N {words[name]}"
+                            + ("; none lifts it" if lift else " (default: no limit)"))
+
+
+def _date(text: str) -> str:
+    try:
+        return date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date like 2025-03-01") from None
 
 
 def _run(func, args) -> int:

@@ -14,6 +14,7 @@ from llmgw.store.records import (
     SessionRecord,
     StoredModel,
     StoreError,
+    UsageRecord,
     UsernameTaken,
 )
 from llmgw.store.store import SUPPORTED_SCHEMES, Store, open_store, sqlite_url
@@ -30,6 +31,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredModel",
+    "UsageRecord",
     "UsernameTaken",
     "open_store",
     "sqlite_url",

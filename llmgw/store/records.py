@@ -10,10 +10,12 @@ caller's job never to pass one.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 import msgspec
+
+from llmgw.core.usage import Limits
 
 ACCOUNT_ROLES = ("admin", "user")
 
@@ -60,7 +62,7 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     `allowed_models` None means every model; `id` is None until the store assigns one.
     `account_id` is the owning account; None for a key made with the admin token (e.g. by
-    `llmgw up`).
+    `llmgw up`). `limits` are enforced by `Store.admit`; none by default.
     """
 
     id: int | None = None
@@ -72,6 +74,26 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
     account_id: int | None = None
+    limits: Limits = msgspec.field(default_factory=Limits)
+
+
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What one key used of one model on one UTC day, for reporting.
+
+    `requests` counts the answers recorded with `Store.record_usage`, whether or not the
+    engine reported tokens.
+    """
+
+    key_id: int
+    model: str
+    day: date
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class AccountRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
 """The store: desired state (models, settings), registered nodes, API keys, and (in
-`llmgw.store.accounts`, mixed in) accounts, sessions and invites.
+`llmgw.store.accounts`, mixed in) accounts, sessions and invites, and (in
+`llmgw.store.usage`) the counters behind per-key limits and the usage record.
 
 Rule of the house: never make a network call inside a transaction. Each Store method is
 one short transaction that opens, does its statements and commits; callers talk to agents,
@@ -24,16 +25,19 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
 
+from llmgw.core.usage import check_limit
 from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
 from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel, StoreError
 from llmgw.store.tables import ApiKeyRow, CounterRow, ModelRow, NodeRow, SettingRow
+from llmgw.store.usage import UsageMixin
 
 SUPPORTED_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
 EPOCH_COUNTER = "placement_epoch"
@@ -131,7 +135,7 @@ def _words(exc: BaseException) -> str:
     return str(inner).strip() or type(inner).__name__
 
 
-class Store(AccountsMixin):
+class Store(AccountsMixin, UsageMixin):
     """Async access to the store; one instance per process, shared by all tasks."""
 
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:
@@ -157,12 +161,30 @@ class Store(AccountsMixin):
                 if write:
                     await session.connection(execution_options={_WRITE_OPTION: True})
                 yield session
-        except StatementError as exc:
-            if not isinstance(exc, DBAPIError) and isinstance(exc.orig, ValueError):
-                raise StoreError(str(exc.orig)) from exc  # a value we refused to bind
-            raise StoreError(f"store at {self._masked} failed: {_words(exc)}") from exc
-        except OSError as exc:
-            raise StoreError(f"store at {self._masked} failed: {_words(exc)}") from exc
+        except (StatementError, OSError) as exc:
+            raise self._failed(exc) from exc
+
+    @asynccontextmanager
+    async def _statement(self) -> AsyncIterator[AsyncSession | AsyncConnection]:
+        """For one statement that is atomic on its own, on the hot path: on PostgreSQL it
+        runs in autocommit, which saves the BEGIN and COMMIT round trips; SQLite, in
+        process, gets an ordinary transaction. Use the result's `execute` once."""
+        if self.backend != "postgresql":
+            async with self._tx() as s:
+                yield s
+            return
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+                yield conn
+        except (StatementError, OSError) as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: StatementError | OSError) -> StoreError:
+        if (isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
+                and isinstance(exc.orig, ValueError)):
+            return StoreError(str(exc.orig))  # a value we refused to bind
+        return StoreError(f"store at {self._masked} failed: {_words(exc)}")
 
     # models ------------------------------------------------------------------------
 
@@ -269,6 +291,7 @@ class Store(AccountsMixin):
             expires_at=key.expires_at,
             revoked_at=key.revoked_at,
             account_id=key.account_id,
+            **key.limits.as_dict(),
         )
         async with self._tx(write=True) as s:
             if key.account_id is not None:
@@ -297,6 +320,27 @@ class Store(AccountsMixin):
         async with self._tx() as s:
             rows = await s.scalars(stmt)
             return [row.to_record() for row in rows]
+
+    async def update_api_key_limits(self, prefix: str, **changes: int | None) -> ApiKeyRecord:
+        """Set the limits named (rpm=60, tpm=None: None lifts one); the others are kept.
+
+        Returns the key as it is now; a key with no such prefix is a StoreError.
+        """
+        try:
+            for name, value in changes.items():
+                check_limit(name, value)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from exc
+        async with self._tx() as s:
+            if changes:
+                stmt = (update(ApiKeyRow).where(ApiKeyRow.prefix == prefix).values(**changes)
+                        .returning(ApiKeyRow))
+            else:
+                stmt = select(ApiKeyRow).where(ApiKeyRow.prefix == prefix)
+            row = await s.scalar(stmt)
+            if row is None:
+                raise StoreError(f"no API key {prefix!r} in the store; see the list of keys")
+            return row.to_record()
 
     async def revoke_api_key(self, prefix: str, at: datetime) -> bool:
         """Revoke the key; False if no key has this prefix. A second revoke keeps the first time."""

@@ -8,13 +8,14 @@ that the migration chain in `migrations/` names them the same way on both backen
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     CheckConstraint,
+    Date,
     DateTime,
     ForeignKey,
     Integer,
@@ -26,6 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from llmgw.core.usage import PERIODS, Limits
 from llmgw.store.records import (
     ACCOUNT_ROLES,
     AccountRecord,
@@ -34,6 +36,7 @@ from llmgw.store.records import (
     NodeRecord,
     SessionRecord,
     StoredModel,
+    UsageRecord,
 )
 
 NAMING_CONVENTION = {
@@ -149,6 +152,11 @@ class ApiKeyRow(Base):
     account_id: Mapped[int | None] = mapped_column(
         ForeignKey("accounts.id", ondelete="CASCADE"), nullable=True, index=True
     )
+    # Limits (llmgw.core.usage.Limits); NULL is unlimited.
+    rpm: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tpm: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_per_day: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_per_month: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     def to_record(self) -> ApiKeyRecord:
         return ApiKeyRecord(
@@ -161,6 +169,56 @@ class ApiKeyRow(Base):
             expires_at=self.expires_at,
             revoked_at=self.revoked_at,
             account_id=self.account_id,
+            limits=Limits(
+                rpm=self.rpm,
+                tpm=self.tpm,
+                tokens_per_day=self.tokens_per_day,
+                tokens_per_month=self.tokens_per_month,
+            ),
+        )
+
+
+class UsageWindowRow(Base):
+    """A key's requests and tokens in one fixed UTC window (a minute, a day, a month).
+
+    Bumped by atomic upserts, so every server sharing the store counts into one row;
+    windows that have ended are pruned.
+    """
+
+    __tablename__ = "usage_windows"
+    __table_args__ = (CheckConstraint(f"period IN {PERIODS!r}", name="period"),)
+
+    key_id: Mapped[int] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True
+    )
+    period: Mapped[str] = mapped_column(String(8), primary_key=True)
+    start: Mapped[datetime] = mapped_column(UTCDateTime(), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class UsageDayRow(Base):
+    """What a key used of a model on a UTC day: the record kept for reporting."""
+
+    __tablename__ = "usage_days"
+
+    key_id: Mapped[int] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True
+    )
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+    def to_record(self) -> UsageRecord:
+        return UsageRecord(
+            key_id=self.key_id,
+            model=self.model,
+            day=self.day,
+            requests=self.requests,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
         )
 
 

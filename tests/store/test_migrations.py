@@ -18,7 +18,8 @@ from llmgw.store import StoreError, migrate, open_store, sqlite_url
 from llmgw.store.tables import Base
 
 TABLES_0001 = {"models", "nodes", "settings", "counters", "api_keys"}
-TABLES = TABLES_0001 | {"accounts", "sessions", "invites"}
+TABLES_0002 = TABLES_0001 | {"accounts", "sessions", "invites"}
+TABLES = TABLES_0002 | {"usage_windows", "usage_days"}
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 

@@ -138,6 +138,9 @@ async def populate(store: Store) -> None:
         )
     )
     await store.revoke_api_key("k3", T0 + timedelta(hours=2))
+    limited = await store.update_api_key_limits("k2", rpm=60, tokens_per_month=10**12)
+    assert await store.admit(limited.id, limited.limits, T0) is None
+    await store.record_usage(limited.id, "llama", 120, 30, T0)
 
 
 async def make_store(url: str) -> None:

@@ -1,0 +1,323 @@
+"""Token usage and per-key limits, decided without I/O.
+
+Two halves:
+
+- Reading what an engine says it used: `usage_from_body` for an answer read whole,
+  `StreamUsage` for a stream relayed chunk by chunk. The stream reader keeps only the
+  line it is in the middle of, capped at `MAX_LINE_BYTES`, so a long stream costs no more
+  memory than a short one; a longer line is skipped (an answer's final usage chunk is a
+  few hundred bytes).
+- Judging a key's limits: the store counts requests and tokens in fixed UTC windows (a
+  minute, a day, a month) and hands the counts here; `judge` says whether the request
+  may go on, and if not, which limit refused it and for how long (`Refusal`). Tokens are
+  known only once an answer is done, so a token limit refuses the *next* request after
+  the one that used the budget up.
+
+Counts are per window start, so every server sharing the store sees the same numbers;
+the windows are fixed, not sliding: a key can use its whole per-minute budget at the end
+of one minute and again at the start of the next.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+
+# --- limits ----------------------------------------------------------------------------
+
+MAX_LIMIT = 10**15
+PERIODS = ("minute", "day", "month")
+LIMIT_NAMES = ("rpm", "tpm", "tokens_per_day", "tokens_per_month")
+UNKNOWN_MODEL = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits; None is unlimited. Windows are fixed and in UTC."""
+
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens (prompt + completion) per minute
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check_limit(f.name, getattr(self, f.name))
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, name) is not None for name in LIMIT_NAMES)
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {name: getattr(self, name) for name in LIMIT_NAMES}
+
+
+def check_limit(name: str, value: Any) -> None:
+    """Raise ValueError, in words for the operator, unless `value` can be limit `name`."""
+    if name not in LIMIT_NAMES:
+        raise ValueError(f"{name!r} is not a limit; the limits are {', '.join(LIMIT_NAMES)}")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise ValueError(
+            f"{name} must be a whole number from 1 to {MAX_LIMIT:,}, or none for no limit "
+            f"(not {value!r}); to stop a key altogether, revoke it"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """What a key has used in the windows that hold a moment.
+
+    `requests_this_minute` counts every request admitted or refused this minute (the one
+    being judged included); tokens are those recorded by `record_usage`.
+    """
+
+    requests_this_minute: int = 0
+    tokens_this_minute: int = 0
+    tokens_today: int = 0
+    tokens_this_month: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request was refused: which limit, its value, and when it frees up."""
+
+    limit: str  # one of LIMIT_NAMES
+    value: int
+    used: int
+    retry_after_s: int  # whole seconds until the window ends, at least 1
+
+    @property
+    def message(self) -> str:
+        what = _LIMIT_WORDS[self.limit]
+        return (f"this key's limit of {self.value:,} {what} is used up; "
+                f"try again in {duration_words(self.retry_after_s)}")
+
+    @property
+    def code(self) -> str:
+        """``rate_limit_exceeded`` (per minute) or ``quota_exceeded`` (per day, month)."""
+        return "rate_limit_exceeded" if self.limit in ("rpm", "tpm") else "quota_exceeded"
+
+
+_LIMIT_WORDS = {
+    "rpm": "requests per minute",
+    "tpm": "tokens per minute",
+    "tokens_per_day": "tokens per day (UTC)",
+    "tokens_per_month": "tokens per month (UTC)",
+}
+LIMIT_PERIOD = {"rpm": "minute", "tpm": "minute", "tokens_per_day": "day",
+                "tokens_per_month": "month"}
+
+
+def utc(now: datetime) -> datetime:
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError(f"naive datetime {now.isoformat()}: pass an aware UTC datetime")
+    return now.astimezone(UTC)
+
+
+def window_start(period: str, now: datetime) -> datetime:
+    """The start of the `period` window ("minute", "day", "month") that holds `now`."""
+    now = utc(now)
+    if period == "minute":
+        return now.replace(second=0, microsecond=0)
+    if period == "day":
+        return now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "month":
+        return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    raise ValueError(f"no window {period!r}; the windows are {', '.join(PERIODS)}")
+
+
+def window_end(period: str, now: datetime) -> datetime:
+    """The end of the `period` window that holds `now` (the next one's start)."""
+    start = window_start(period, now)
+    if period == "minute":
+        return start + timedelta(minutes=1)
+    if period == "day":
+        return start + timedelta(days=1)
+    return (start + timedelta(days=32)).replace(day=1)
+
+
+def seconds_left(period: str, now: datetime) -> int:
+    """Whole seconds until the window ends, rounded up, at least 1."""
+    return max(1, math.ceil((window_end(period, now) - utc(now)).total_seconds()))
+
+
+def used(limit: str, counts: Counts) -> int:
+    """What counts against `limit`."""
+    return {
+        "rpm": counts.requests_this_minute,
+        "tpm": counts.tokens_this_minute,
+        "tokens_per_day": counts.tokens_today,
+        "tokens_per_month": counts.tokens_this_month,
+    }[limit]
+
+
+def judge(limits: Limits, counts: Counts, now: datetime) -> Refusal | None:
+    """None if the request may go on, else the refusal that frees up last.
+
+    `counts.requests_this_minute` includes this request: the rpm-th request of a minute
+    passes, the next is refused. A token limit refuses once the tokens already used reach
+    it: the request that crossed it was let through, tokens being known only afterwards.
+    """
+    refusals = []
+    for name in LIMIT_NAMES:
+        value = getattr(limits, name)
+        if value is None:
+            continue
+        n = used(name, counts)
+        over = n > value if name == "rpm" else n >= value
+        if over:
+            refusals.append(Refusal(name, value, n, seconds_left(LIMIT_PERIOD[name], now)))
+    return max(refusals, key=lambda r: r.retry_after_s, default=None)
+
+
+def duration_words(seconds: int) -> str:
+    """12 s, 4 min 10 s, 5 h 3 min, 3 d 4 h: two units at most, the last rounded up, so
+    that a client told to wait is never told too early."""
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        minutes, s = divmod(seconds, 60)
+        return f"{minutes} min {s} s" if s else f"{minutes} min"
+    if seconds < 86400:
+        hours, m = divmod(math.ceil(seconds / 60), 60)
+        return f"{hours} h {m} min" if m else f"{hours} h"
+    days, h = divmod(math.ceil(seconds / 3600), 24)
+    return f"{days} d {h} h" if h else f"{days} d"
+
+
+def metric_model(name: str | None, catalog_names: Collection[str]) -> str:
+    """The model label for a metric: a declared model's name, else "unknown", so that
+    clients cannot grow a metric's label set with made-up names."""
+    return name if name is not None and name in catalog_names else UNKNOWN_MODEL
+
+
+# --- reading usage ---------------------------------------------------------------------
+
+MAX_LINE_BYTES = 64 * 1024
+_MAX_TOKENS = 2**53
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens one answer used, as the engine reported them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class _Doc(msgspec.Struct):
+    """The only parts of an answer (or a stream event) read: its usage, and the usage
+    inside `response` as the Responses API's final event carries it."""
+
+    usage: Any = None
+    response: Any = None
+
+
+_decoder = msgspec.json.Decoder(_Doc)
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_TOKENS:
+        return None
+    return value
+
+
+def usage_of(usage: Any) -> Usage | None:
+    """A `usage` object as engines write it, or None when it is missing or garbled.
+
+    Chat and completions: prompt_tokens, completion_tokens (total_tokens is their sum).
+    Embeddings: prompt_tokens and total_tokens only. Responses API: input_tokens and
+    output_tokens.
+    """
+    if not isinstance(usage, dict):
+        return None
+    prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion_given = usage.get("completion_tokens", usage.get("output_tokens"))
+    completion = _count(completion_given)
+    total = _count(usage.get("total_tokens"))
+    if prompt is None:
+        return None
+    if completion is None:
+        if completion_given is not None or total is None or total < prompt:
+            return None
+        completion = total - prompt
+    return Usage(prompt, completion)
+
+
+def _from_doc(raw: bytes | bytearray) -> Usage | None:
+    try:
+        doc = _decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    found = usage_of(doc.usage)
+    if found is None and isinstance(doc.response, dict):
+        found = usage_of(doc.response.get("usage"))
+    return found
+
+
+def usage_from_body(body: bytes) -> Usage | None:
+    """The usage in an answer read whole (a JSON object), or None."""
+    return _from_doc(body)
+
+
+_EOL = re.compile(rb"[\r\n]")
+
+
+class StreamUsage:
+    """Finds the usage in a server-sent event stream, fed as relayed, split anywhere.
+
+    Each ``data:`` line is read as one JSON document (as OpenAI-compatible engines write
+    them) and only if it mentions ``"usage"``; the last usage seen wins: OpenAI's
+    ``stream_options.include_usage`` chunk, or the last chunk of llama.cpp and vLLM,
+    which carry it. Memory is bounded by `max_line`: a line longer than that is skipped.
+    """
+
+    __slots__ = ("_line", "_max_line", "_skipping", "usage")
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._max_line = max_line
+        self._line = bytearray()
+        self._skipping = False  # in a line that grew past max_line, until its end
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        for match in _EOL.finditer(chunk):
+            self._add(chunk, start, match.start())
+            self._line_done()
+            start = match.end()
+        self._add(chunk, start, len(chunk))
+
+    def end(self) -> Usage | None:
+        """The stream is over (a last line without a newline counts); the usage found."""
+        self._line_done()
+        return self.usage
+
+    def _add(self, chunk: bytes, start: int, stop: int) -> None:
+        if self._skipping or start == stop:
+            return
+        if len(self._line) + (stop - start) > self._max_line:
+            self._line.clear()
+            self._skipping = True
+            return
+        self._line += chunk[start:stop]
+
+    def _line_done(self) -> None:
+        line, self._skipping = self._line, False
+        if line.startswith(b"data:") and b'"usage"' in line:
+            found = _from_doc(line[5:])
+            if found is not None:
+                self.usage = found
+        line.clear()

@@ -1,0 +1,210 @@
+"""Per-key limits and the usage record: the part of `Store` on the gateway's hot path.
+
+`UsageMixin` is inherited by `Store`. Counting is shared by every server on the store:
+each window (a key's minute, day or month, in UTC) is one row of `usage_windows`, bumped
+by a single INSERT ... ON CONFLICT DO UPDATE ... RETURNING, which PostgreSQL serialises
+on the row lock and SQLite on its one writer. Of N concurrent requests under a limit of
+L per minute, exactly L see a count of at most L, whichever server they reached.
+
+Statements per call (each on PostgreSQL in autocommit: no BEGIN or COMMIT round trip):
+
+- `admit`: one, or none for a key without limits. With an rpm limit it is the upsert of
+  the minute row, whose RETURNING also reads the day and month tokens (scalar subqueries)
+  when those are limited; without one it is a single SELECT of the windows needed.
+- `record_usage`: one on PostgreSQL (the window upsert rides along as a data-modifying
+  CTE of the usage_days upsert); two in one transaction on SQLite, where that is in
+  process.
+
+The decision itself (`llmgw.core.usage.judge`) is pure; this module only counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from datetime import date, datetime
+from typing import Any
+
+from sqlalchemy import and_, delete, literal, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import aliased
+from sqlalchemy.sql.elements import ColumnElement
+
+from llmgw.core.usage import PERIODS, Counts, Limits, Refusal, judge, utc, window_start
+from llmgw.store.records import StoreError, UsageRecord
+from llmgw.store.tables import UsageDayRow, UsageWindowRow
+
+_WINDOW_KEY = [UsageWindowRow.key_id, UsageWindowRow.period, UsageWindowRow.start]
+_DAY_KEY = [UsageDayRow.key_id, UsageDayRow.day, UsageDayRow.model]
+_MAX_TOKENS = 2**53
+
+
+class UsageMixin:
+    """Limits and usage; mixed into `Store`, which provides these."""
+
+    backend: str
+    _insert: Callable[..., Any]
+    _tx: Callable[..., AbstractAsyncContextManager[AsyncSession]]
+    _statement: Callable[[], AbstractAsyncContextManager[AsyncSession | AsyncConnection]]
+
+    async def admit(self, key_id: int, limits: Limits, now: datetime) -> Refusal | None:
+        """Count one request of the key and judge it against `limits`.
+
+        Returns None to let it through, else the Refusal (which limit, and the seconds
+        until its window ends). A refused request counts against rpm too: retrying while
+        refused does not get more through, and the count starts afresh each minute.
+        """
+        wanted = _windows_read(limits)
+        if limits.rpm is None and not wanted:
+            return None
+        now = _aware(now)
+        starts = {period: window_start(period, now) for period in PERIODS}
+        if limits.rpm is not None:
+            # The minute row is the one written: its tokens come back as they are after
+            # any wait for its lock, not as a subquery's snapshot saw them.
+            reads = [UsageWindowRow.tokens.label("minute") if period == "minute"
+                     else _tokens_in(key_id, period, starts[period]).label(period)
+                     for period in wanted]
+            row_values = {"key_id": key_id, "period": "minute", "start": starts["minute"],
+                          "requests": 1, "tokens": 0}
+            stmt = (
+                self._insert(UsageWindowRow)
+                .values(**row_values)
+                .on_conflict_do_update(
+                    index_elements=_WINDOW_KEY,
+                    set_={"requests": UsageWindowRow.requests + 1},
+                )
+                .returning(UsageWindowRow.requests, *reads)
+            )
+        else:
+            reads = [_tokens_in(key_id, period, starts[period]).label(period)
+                     for period in wanted]
+            stmt = select(literal(0).label("requests"), *reads)
+        async with self._statement() as s:
+            row = (await s.execute(stmt)).one()._mapping
+        counts = Counts(
+            requests_this_minute=row["requests"],
+            tokens_this_minute=row.get("minute") or 0,
+            tokens_today=row.get("day") or 0,
+            tokens_this_month=row.get("month") or 0,
+        )
+        return judge(limits, counts, now)
+
+    async def record_usage(self, key_id: int, model: str, prompt_tokens: int,
+                           completion_tokens: int, now: datetime) -> None:
+        """Add one answer's tokens to the key's windows, and to its usage of `model` on
+        `now`'s UTC day (one more request there, tokens or not)."""
+        for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens",
+                                                           completion_tokens)):
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_TOKENS:
+                raise StoreError(f"{name} must be a whole number from 0 up, not {n!r}")
+        if not model:
+            raise StoreError("record_usage needs the model's name")
+        now = _aware(now)
+        total = prompt_tokens + completion_tokens
+        day = window_start("day", now)
+        usage = self._insert(UsageDayRow).values(
+            key_id=key_id, day=day.date(), model=model, requests=1,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        )
+        usage = usage.on_conflict_do_update(
+            index_elements=_DAY_KEY,
+            set_={
+                "requests": UsageDayRow.requests + 1,
+                "prompt_tokens": UsageDayRow.prompt_tokens + usage.excluded.prompt_tokens,
+                "completion_tokens": (
+                    UsageDayRow.completion_tokens + usage.excluded.completion_tokens
+                ),
+            },
+        )
+        windows = None
+        if total:
+            windows = self._insert(UsageWindowRow).values([
+                {"key_id": key_id, "period": period, "start": window_start(period, now),
+                 "requests": 0, "tokens": total}
+                for period in PERIODS  # always in this order: rows are locked in it
+            ])
+            windows = windows.on_conflict_do_update(
+                index_elements=_WINDOW_KEY,
+                set_={"tokens": UsageWindowRow.tokens + windows.excluded.tokens},
+            )
+        if windows is not None and self.backend == "postgresql":
+            # PostgreSQL runs a data-modifying CTE even when nothing reads it.
+            usage = usage.add_cte(windows.cte("windows"))
+            windows = None
+        if windows is None:
+            async with self._statement() as s:
+                await s.execute(usage)
+            return
+        async with self._tx() as s:
+            await s.execute(windows)
+            await s.execute(usage)
+
+    async def usage_counts(self, key_id: int, now: datetime) -> Counts:
+        """What the key has used in the windows that hold `now` (nothing is counted)."""
+        now = _aware(now)
+        reads = [_tokens_in(key_id, period, window_start(period, now)).label(period)
+                 for period in PERIODS]
+        minute = aliased(UsageWindowRow)
+        requests = (select(minute.requests)
+                    .where(minute.key_id == key_id, minute.period == "minute",
+                           minute.start == window_start("minute", now))
+                    .scalar_subquery().label("requests"))
+        async with self._tx() as s:
+            row = (await s.execute(select(requests, *reads))).one()._mapping
+        return Counts(
+            requests_this_minute=row["requests"] or 0,
+            tokens_this_minute=row["minute"] or 0,
+            tokens_today=row["day"] or 0,
+            tokens_this_month=row["month"] or 0,
+        )
+
+    async def list_usage(self, key_id: int | None = None, *, since: date | None = None,
+                         until: date | None = None) -> list[UsageRecord]:
+        """Usage per key, model and UTC day, from `since` to `until` (both included);
+        by day, then key, then model."""
+        stmt = select(UsageDayRow).order_by(UsageDayRow.day, UsageDayRow.key_id,
+                                            UsageDayRow.model)
+        if key_id is not None:
+            stmt = stmt.where(UsageDayRow.key_id == key_id)
+        if since is not None:
+            stmt = stmt.where(UsageDayRow.day >= since)
+        if until is not None:
+            stmt = stmt.where(UsageDayRow.day <= until)
+        async with self._tx() as s:
+            return [row.to_record() for row in await s.scalars(stmt)]
+
+    async def prune_usage_windows(self, now: datetime) -> int:
+        """Delete the windows that ended before `now`; how many there were. For the
+        server's housekeeping: the counts of ended windows are never read again."""
+        now = _aware(now)
+        ended = or_(*(
+            and_(UsageWindowRow.period == period,
+                 UsageWindowRow.start < window_start(period, now))
+            for period in PERIODS
+        ))
+        async with self._tx() as s:
+            return (await s.execute(delete(UsageWindowRow).where(ended))).rowcount
+
+
+def _aware(now: datetime) -> datetime:
+    try:
+        return utc(now)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from exc
+
+
+def _windows_read(limits: Limits) -> list[str]:
+    """The windows whose tokens `limits` need read."""
+    needed = {"minute": limits.tpm, "day": limits.tokens_per_day,
+              "month": limits.tokens_per_month}
+    return [period for period, limit in needed.items() if limit is not None]
+
+
+def _tokens_in(key_id: int, period: str, start: datetime) -> ColumnElement[int]:
+    window = aliased(UsageWindowRow)
+    return (
+        select(window.tokens)
+        .where(window.key_id == key_id, window.period == period, window.start == start)
+        .scalar_subquery()
+    )
