@@ -29,6 +29,7 @@ from llmgw.server.agents.stream import agent_stream
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, error_response
+from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai.proxy import client_session
 from llmgw.server.openai.router import Router
@@ -101,6 +102,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                     epsilon=config.gateway.affinity_epsilon)
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
     controller.load = router.in_flight
+    metrics = Metrics(controller, router, Access.from_config(config))
     auth = config.auth
     throttle = LoginThrottle(auth.login_attempts, auth.login_window_s,
                              auth.login_throttle_capacity)
@@ -122,12 +124,13 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             await app.state.http.close()
 
     app = Litestar(
-        route_handlers=[healthz, agent_stream, *openai_routes.ROUTES, *admin.ROUTES],
+        route_handlers=[healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
+                        *admin.ROUTES],
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
-            "throttle": throttle, "hasher": hasher,
+            "throttle": throttle, "hasher": hasher, "metrics": metrics,
         }),
         exception_handlers={
             ApiError: _api_error,

@@ -1,0 +1,334 @@
+"""``/metrics``: the gateway and the cluster in Prometheus' text format.
+
+Each app has its own ``CollectorRegistry`` (never the process-global one), so a test can
+build several servers in one process. Two kinds of series:
+
+- **per request**, recorded by the gateway as requests finish (:meth:`Metrics.request_done`,
+  :meth:`~Metrics.first_byte`, :meth:`~Metrics.retry`, :meth:`~Metrics.refused`). The
+  label children are resolved once per (model, kind) and cached, so a call is a dict lookup
+  and an ``inc``/``observe``, a few microseconds.
+- **read at scrape time** from the router and the controller (queue lengths, requests in
+  flight, replicas ready and wanted, nodes by state): nothing is updated per request, and
+  the scrape runs on the event loop, where those structures live, so it needs no lock.
+
+Label values come from fixed sets only. A ``model`` label is a name from the catalog and
+anything else is ``unknown``: a client's ``model`` field never becomes a label as sent
+(one series per typo would grow without bound). ``kind`` is one of :data:`KINDS`,
+``status`` a class such as ``2xx``, a refusal's ``reason`` one of :data:`REFUSAL_REASONS`.
+
+Who may scrape (:class:`Access`): nobody when ``metrics.enabled`` is false; otherwise a
+request carrying the metrics token (``metrics.token_file``) or the admin token, and a
+request from loopback without forwarding headers (``metrics.allow_loopback``, on by
+default) — a Prometheus or node agent on the server's own host needs no secret, a remote
+scraper gets a token of its own that opens nothing else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, get
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from llmgw.core.inventory import NodeState
+from llmgw.core.replicas import ReplicaState
+from llmgw.server.auth import SecretsFileError, admin_token_ok, bearer
+from llmgw.server.errors import error_response
+
+if TYPE_CHECKING:
+    from llmgw.server.controller import Controller
+    from llmgw.server.openai.router import Router
+
+UNKNOWN_MODEL = "unknown"
+KINDS = ("chat", "completions", "embeddings", "other")
+REFUSAL_REASONS = ("queue_full", "queue_timeout", "rate_limit", "other")
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+
+_KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+                 "/v1/embeddings": "embeddings"}
+# Answers take from milliseconds (embeddings) to minutes (long generations).
+DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+FIRST_BYTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_FORWARDED = ("forwarded", "x-forwarded-for", "x-real-ip")
+
+
+def endpoint_kind(path: str) -> str:
+    """The ``kind`` label of a ``/v1`` path: chat, completions, embeddings or other."""
+    return _KIND_OF_PATH.get(path, "other")
+
+
+def status_class(status: int) -> str:
+    return STATUS_CLASSES[_class_index(status)]
+
+
+def _class_index(status: int) -> int:
+    return min(max(status // 100, 1), 5) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who may read ``/metrics``."""
+
+    enabled: bool = True
+    # A request from 127.0.0.0/8 or ::1 that no proxy forwarded needs no token.
+    allow_loopback: bool = True
+    # A bearer token for scrapers; opens /metrics and nothing else.
+    token: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> Access:
+        """From ``config.metrics`` (``enabled``, ``allow_loopback``, ``token_file``);
+        the defaults where the config has no such section or key."""
+        section = getattr(config, "metrics", None)
+        token_file = getattr(section, "token_file", None)
+        return cls(enabled=getattr(section, "enabled", True),
+                   allow_loopback=getattr(section, "allow_loopback", True),
+                   token=read_token_file(token_file) if token_file else None)
+
+    def allows(self, request: Request, admin_token: str | None) -> bool:
+        token = bearer(request.headers.get("authorization"))
+        if token is not None:
+            if self.token is not None and admin_token_ok(self.token, token):
+                return True
+            return admin_token is not None and admin_token_ok(admin_token, token)
+        if not self.allow_loopback or any(h in request.headers for h in _FORWARDED):
+            return False
+        return _loopback(request.client.host if request.client else None)
+
+
+def _loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The metrics token: the file's only line. Refuses a file others can read."""
+    file = Path(path)
+    try:
+        mode = file.stat().st_mode
+        token = file.read_text().strip()
+    except OSError as err:
+        raise SecretsFileError(f"cannot read the metrics token {file}: {err}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretsFileError(f"{file} is readable by other users (mode "
+                               f"{stat.S_IMODE(mode):o}); run `chmod 600 {file}`")
+    if not token:
+        raise SecretsFileError(f"the metrics token file {file} is empty")
+    return token
+
+
+class _RequestSeries:
+    """The label children of one (model, kind), resolved once."""
+
+    __slots__ = ("by_status", "duration")
+
+    def __init__(self, requests: Counter, duration: Histogram, model: str, kind: str):
+        self.by_status = tuple(requests.labels(model, kind, c) for c in STATUS_CLASSES)
+        self.duration = duration.labels(model, kind)
+
+
+class Metrics:
+    """The per-app registry, what the gateway records, and the scrape-time collectors."""
+
+    def __init__(self, controller: Controller, router: Router,
+                 access: Access | None = None, *, process: bool = True) -> None:
+        self.controller = controller
+        self.router = router
+        self.access = access or Access()
+        self.registry = CollectorRegistry(auto_describe=True)
+        if process:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
+        r = self.registry
+        self._requests = Counter("llmgw_requests", "Requests answered on /v1, by status class.",
+                                 ["model", "kind", "status"], registry=r)
+        self._duration = Histogram("llmgw_request_duration_seconds",
+                                   "From the request's arrival to the end of its answer "
+                                   "(a stream's last byte).", ["model", "kind"],
+                                   buckets=DURATION_BUCKETS, registry=r)
+        self._first_byte = Histogram("llmgw_time_to_first_byte_seconds",
+                                     "For streamed answers: from the request's arrival to "
+                                     "the engine's first chunk.", ["model"],
+                                     buckets=FIRST_BYTE_BUCKETS, registry=r)
+        self._retries = Counter("llmgw_upstream_retries",
+                                "Requests sent to another replica after one refused.",
+                                ["model"], registry=r)
+        self._refusals = Counter("llmgw_refusals", "Requests refused with 429, by reason.",
+                                 ["model", "reason"], registry=r)
+        _ClusterCollector(self, registry=r)
+        # Keyed by what callers pass, but only ever for catalog names (and the fixed kinds):
+        # an unknown model goes to the `unknown` series without a cache entry of its own.
+        self._series: dict[tuple[str | None, str], _RequestSeries] = {}
+        self._first_bytes: dict[str | None, Any] = {}
+        self._retry_counts: dict[str | None, Any] = {}
+        self._refusal_counts: dict[tuple[str | None, str], Any] = {}
+
+    # --- the request path ------------------------------------------------------------------
+
+    def model_label(self, model: str | None) -> str:
+        """``model`` if the catalog declares it, else ``unknown``."""
+        if model and self.controller.catalog.get(model) is not None:
+            return model
+        return UNKNOWN_MODEL
+
+    def request_done(self, model: str | None, kind: str, status: int, seconds: float) -> None:
+        """One request answered (a stream: when its last byte is sent). ``model`` as the
+        client sent it, or None before it was read; ``kind`` from :func:`endpoint_kind`."""
+        series = self._series.get((model, kind))
+        if series is None:
+            series = self._resolve(model, kind)
+        series.by_status[_class_index(status)].inc()
+        series.duration.observe(seconds)
+
+    def first_byte(self, model: str | None, seconds: float) -> None:
+        """A streamed answer's first chunk arrived, ``seconds`` after the request did."""
+        child = self._first_bytes.get(model)
+        if child is None:
+            label = self.model_label(model)
+            child = self._cached(self._first_bytes, model, label, self._first_byte.labels(label))
+        child.observe(seconds)
+
+    def retry(self, model: str | None) -> None:
+        """A replica refused before answering and the request goes to another one."""
+        child = self._retry_counts.get(model)
+        if child is None:
+            label = self.model_label(model)
+            child = self._cached(self._retry_counts, model, label, self._retries.labels(label))
+        child.inc()
+
+    def refused(self, model: str | None, reason: str) -> None:
+        """A 429; ``reason`` one of :data:`REFUSAL_REASONS` (anything else counts as
+        ``other``)."""
+        child = self._refusal_counts.get((model, reason))
+        if child is None:
+            label = self.model_label(model)
+            why = reason if reason in REFUSAL_REASONS else "other"
+            child = self._cached(self._refusal_counts, (model, reason), (label, why),
+                                 self._refusals.labels(label, why))
+        child.inc()
+
+    def _resolve(self, model: str | None, kind: str) -> _RequestSeries:
+        labels = (self.model_label(model), kind if kind in KINDS else "other")
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = _RequestSeries(self._requests, self._duration,
+                                                           *labels)
+        return self._cached(self._series, (model, kind), labels, series)
+
+    @staticmethod
+    def _cached(cache: dict, key: Any, labels: Any, child: Any) -> Any:
+        """Remember ``child`` under the caller's ``key`` only when that key is the labels
+        themselves: the cache never holds a name a client made up."""
+        if key == labels:
+            cache[key] = child
+        return child
+
+    # --- the scrape ------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector:
+    """Gauges read from the router and the controller when Prometheus scrapes."""
+
+    def __init__(self, metrics: Metrics, registry: CollectorRegistry) -> None:
+        self._metrics = metrics
+        registry.register(self)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._fill(self._families()))
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily("llmgw_queue_length",
+                              "Requests waiting for a free slot on one of the model's "
+                              "replicas.", labels=["model"]),
+            GaugeMetricFamily("llmgw_in_flight", "Requests the model's replicas are serving.",
+                              labels=["model"]),
+            GaugeMetricFamily("llmgw_replicas_ready", "Replicas ready to serve.",
+                              labels=["model"]),
+            GaugeMetricFamily("llmgw_replicas_wanted", "Replicas the catalog asks for.",
+                              labels=["model"]),
+            GaugeMetricFamily("llmgw_nodes", "Nodes known to the controller, by state.",
+                              labels=["state"]),
+        ]
+
+    def _fill(self, families: list[GaugeMetricFamily]) -> list[GaugeMetricFamily]:
+        queue, in_flight, ready, wanted, nodes = families
+        metrics = self._metrics
+        controller, router = metrics.controller, metrics.router
+        label = metrics.model_label
+        names = controller.catalog.names()
+        counts: dict[str, dict[str, float]] = {
+            "queue": dict.fromkeys(names, 0), "in_flight": dict.fromkeys(names, 0),
+            "ready": dict.fromkeys(names, 0)}
+        for model, waiting in router.queue_lengths().items():
+            _add(counts["queue"], label(model), waiting)
+        model_of = {rid: r.model for rid, r in controller.replicas.items()}
+        for replica, serving in router.in_flight().items():
+            _add(counts["in_flight"], label(model_of.get(replica)), serving)
+        for replica in controller.replicas.values():
+            if replica.state is ReplicaState.READY:
+                _add(counts["ready"], label(replica.model), 1)
+        for family, key in ((queue, "queue"), (in_flight, "in_flight"), (ready, "ready")):
+            for model, value in counts[key].items():
+                family.add_metric([model], value)
+        for model in controller.catalog.models:
+            wanted.add_metric([model.name], model.replicas)
+        by_state = dict.fromkeys((s.value for s in NodeState), 0)
+        for session in controller.sessions.all():
+            by_state[session.state.value] += 1
+        for state, count in by_state.items():
+            nodes.add_metric([state], count)
+        return families
+
+
+def _add(counts: dict[str, float], key: str, value: float) -> None:
+    counts[key] = counts.get(key, 0) + value
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics_endpoint(request: Request) -> Response:
+    """Prometheus' text format, for whom :class:`Access` lets in. Async on purpose: the
+    collectors read the router and controller, which only the event loop may touch."""
+    state = request.app.state
+    metrics: Metrics = state.metrics
+    if not metrics.access.enabled:
+        return error_response(404, "there is no GET /metrics here (metrics.enabled is "
+                              "false)")
+    if not metrics.access.allows(request, state.get("admin_token")):
+        return error_response(401, "send the metrics token as `Authorization: Bearer …` "
+                              "(metrics.token_file), or scrape from the server's own host",
+                              code="metrics_token_required",
+                              headers={"www-authenticate": "Bearer"})
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
