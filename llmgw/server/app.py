@@ -33,6 +33,7 @@ from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai.proxy import client_session
 from llmgw.server.openai.router import Router
+from llmgw.server.openai.usage import UsageRecorder
 from llmgw.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,15 @@ _HOUSEKEEPING_S = 600.0
 
 
 async def _housekeeping(store: Store) -> None:
-    """Forget expired sessions, so the table does not grow with every login ever made."""
+    """Forget expired sessions and ended usage windows, so neither table grows forever."""
     while True:
         try:
             removed = await store.delete_expired_sessions(datetime.now(UTC))
             if removed:
                 log.info("removed %d expired session(s)", removed)
+            await store.prune_usage_windows(datetime.now(UTC))
         except StoreError as err:
-            log.warning("could not remove expired sessions: %s", err)
+            log.warning("housekeeping: %s", err)
         await asyncio.sleep(_HOUSEKEEPING_S)
 
 
@@ -102,6 +104,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                     epsilon=config.gateway.affinity_epsilon)
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
     controller.load = router.in_flight
+    usage = UsageRecorder(store)
     metrics = Metrics(controller, router, Access.from_config(config))
     auth = config.auth
     throttle = LoginThrottle(auth.login_attempts, auth.login_window_s,
@@ -114,7 +117,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         app.state.http = client_session(config.gateway)
         await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
-                 asyncio.create_task(_housekeeping(store), name="housekeeping")]
+                 asyncio.create_task(_housekeeping(store), name="housekeeping"),
+                 asyncio.create_task(usage.run(), name="usage")]
         try:
             yield
         finally:
@@ -130,7 +134,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
-            "throttle": throttle, "hasher": hasher, "metrics": metrics,
+            "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
         }),
         exception_handlers={
             ApiError: _api_error,

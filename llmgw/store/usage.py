@@ -91,9 +91,9 @@ class UsageMixin:
         return judge(limits, counts, now)
 
     async def record_usage(self, key_id: int, model: str, prompt_tokens: int,
-                           completion_tokens: int, now: datetime) -> None:
-        """Add one answer's tokens to the key's windows, and to its usage of `model` on
-        `now`'s UTC day (one more request there, tokens or not)."""
+                           completion_tokens: int, now: datetime, requests: int = 1) -> None:
+        """Add answers' tokens to the key's windows, and to its usage of `model` on `now`'s
+        UTC day (``requests`` more requests there, tokens or not: the gateway batches)."""
         for name, n in (("prompt_tokens", prompt_tokens), ("completion_tokens",
                                                            completion_tokens)):
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _MAX_TOKENS:
@@ -104,13 +104,13 @@ class UsageMixin:
         total = prompt_tokens + completion_tokens
         day = window_start("day", now)
         usage = self._insert(UsageDayRow).values(
-            key_id=key_id, day=day.date(), model=model, requests=1,
+            key_id=key_id, day=day.date(), model=model, requests=requests,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         )
         usage = usage.on_conflict_do_update(
             index_elements=_DAY_KEY,
             set_={
-                "requests": UsageDayRow.requests + 1,
+                "requests": UsageDayRow.requests + usage.excluded.requests,
                 "prompt_tokens": UsageDayRow.prompt_tokens + usage.excluded.prompt_tokens,
                 "completion_tokens": (
                     UsageDayRow.completion_tokens + usage.excluded.completion_tokens

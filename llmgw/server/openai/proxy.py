@@ -17,6 +17,7 @@ import aiohttp
 import msgspec
 
 from llmgw.config import Gateway
+from llmgw.core.usage import StreamUsage, Usage, usage_from_body
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.router import Lease
 
@@ -54,11 +55,16 @@ def _headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
             if k.lower() in _KEEP_HEADERS]
 
 
+UsageSink = Callable[[Usage | None], None]
+
+
 async def forward(http: aiohttp.ClientSession, lease: Lease, path: str, body: bytes,
-                  stream: bool, gateway: Gateway, send: Send) -> None:
+                  stream: bool, gateway: Gateway, send: Send,
+                  usage: UsageSink | None = None) -> None:
     """Forward one request on ``lease`` and write the answer with ``send``. Raises
     ``Retryable`` or ``ApiError`` only before anything was sent to the client; the lease is
-    released however this ends."""
+    released however this ends. ``usage``, when given, is called once with the tokens the
+    engine reported for a successful answer (None when it reported none)."""
     try:
         try:
             async with asyncio.timeout(gateway.first_byte_timeout_s):
@@ -85,9 +91,9 @@ async def forward(http: aiohttp.ClientSession, lease: Lease, path: str, body: by
                 raise Retryable(f"{lease.replica} answered 503")
             media_type = upstream.headers.get("content-type", "application/json")
             if stream and upstream.status == 200 and media_type.startswith("text/event-stream"):
-                await _relay(upstream, lease.replica, gateway.idle_timeout_s, send)
+                await _relay(upstream, lease.replica, gateway.idle_timeout_s, send, usage)
             else:
-                await _answer(upstream, lease.replica, gateway.idle_timeout_s, send)
+                await _answer(upstream, lease.replica, gateway.idle_timeout_s, send, usage)
         finally:
             # Closing (not releasing) drops the connection where the answer was cut short,
             # which is how the engine learns that nobody is listening any more.
@@ -100,7 +106,7 @@ async def forward(http: aiohttp.ClientSession, lease: Lease, path: str, body: by
 
 
 async def _answer(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s: float,
-                  send: Send) -> None:
+                  send: Send, usage: UsageSink | None) -> None:
     try:
         async with asyncio.timeout(idle_timeout_s):
             content = await upstream.read()
@@ -116,15 +122,20 @@ async def _answer(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s
     headers.append((b"content-length", str(len(content)).encode()))
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
+    if usage is not None and 200 <= upstream.status < 300:
+        usage(usage_from_body(content))
 
 
 async def _relay(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s: float,
-                 send: Send) -> None:
+                 send: Send, usage: UsageSink | None) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [*_headers(upstream), (b"x-accel-buffering", b"no")]})
     tail = b""
+    reader = StreamUsage() if usage is not None else None
     try:
         async for chunk in upstream.content.iter_any():
+            if reader is not None:
+                reader.feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except TimeoutError:
         log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
@@ -135,3 +146,6 @@ async def _relay(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s:
         log.warning("%s broke off its stream: %s", replica, err)
         tail = stream_error(f"the engine of {replica} broke off the stream", "upstream_error")
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+    if reader is not None:
+        # Counted even for a stream the engine broke off: its tokens were spent.
+        usage(reader.end())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import functools
 import logging
+import time
 from datetime import UTC, datetime
 
 import msgspec
@@ -14,8 +16,10 @@ from litestar.types import Receive, Scope, Send
 from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer, check_api_key
 from llmgw.server.errors import ApiError, error_body
+from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.proxy import Retryable, forward
 from llmgw.server.openai.router import Saturated
+from llmgw.store import ApiKeyRecord
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _authorize(state, authorization: str | None) -> list[str] | None:
-    """Check the API key; returns the models it may use (``None``: all)."""
+async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
+    """Check the API key; its record (``None`` where no key is required)."""
     if not state.config.auth.require_api_key:
         return None
     key = bearer(authorization)
@@ -89,7 +93,7 @@ async def _authorize(state, authorization: str | None) -> list[str] | None:
     record = await check_api_key(state.store, key, datetime.now(UTC))
     if isinstance(record, str):
         raise ApiError(401, record, code="invalid_api_key")
-    return record.allowed_models
+    return record
 
 
 def _model_or_404(state, name: str, allowed: list[str] | None) -> None:
@@ -139,34 +143,65 @@ async def _gateway(scope: Scope, receive: Receive, send: Send, path: str,
     if scope["method"] != "POST":
         return await _send_error(send, ApiError(405, f"{path} does not take "
                                                 f"{scope['method']}", code="method_not_allowed"))
-    started = False
+    metrics = scope["litestar_app"].state.metrics
+    began = time.perf_counter()
+    seen = _Seen()
 
     async def tracked_send(message: dict) -> None:
-        nonlocal started
-        started = True
+        if message["type"] == "http.response.start":
+            seen.status = message["status"]
+        elif seen.stream and not seen.first_byte and message.get("body"):
+            seen.first_byte = True
+            metrics.first_byte(seen.model, time.perf_counter() - began)
         await send(message)
 
     try:
-        await _serve(scope, receive, tracked_send, path, required)
+        await _serve(scope, receive, tracked_send, path, required, seen)
     except ClientGone:
-        pass  # nobody to answer
+        seen.status = seen.status or 499  # nobody to answer
     except ApiError as err:
-        if not started:
+        if not seen.status:
             await _send_error(send, err)
+            seen.status = err.status
     except Exception:
         log.exception("unexpected error serving POST %s", path)
-        if not started:
+        if not seen.status:
             await _send_error(send, ApiError(500, "internal error; the server's log has the "
                                              "details", code="internal_error"))
+            seen.status = 500
+    finally:
+        metrics.request_done(seen.model, endpoint_kind(path), seen.status or 499,
+                             time.perf_counter() - began)
+
+
+class _Seen:
+    """What the request showed so far, for its metrics."""
+
+    __slots__ = ("first_byte", "model", "status", "stream")
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.status = 0
+        self.stream = False
+        self.first_byte = False
 
 
 async def _serve(scope: Scope, receive: Receive, send: Send, path: str,
-                 required: str | None) -> None:
+                 required: str | None, seen: _Seen) -> None:
     state = scope["litestar_app"].state
-    allowed = await _authorize(state, _header(scope, b"authorization"))
+    record = await _authorize(state, _header(scope, b"authorization"))
     body = await _body(receive)
     head = _parse(body, required)
-    _model_or_404(state, head.model, allowed)
+    seen.model, seen.stream = head.model, head.stream
+    _model_or_404(state, head.model, record.allowed_models if record else None)
+    usage = None
+    if record is not None:
+        refusal = await state.store.admit(record.id, record.limits, datetime.now(UTC))
+        if refusal is not None:
+            state.metrics.refused(head.model, "rate_limit")
+            raise ApiError(429, refusal.message, code=refusal.code,
+                           headers={"retry-after": str(refusal.retry_after_s)})
+        usage = functools.partial(state.usage.add, record.id, head.model)
     gateway = state.config.gateway
     key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
            if gateway.affinity else None)
@@ -186,7 +221,7 @@ async def _serve(scope: Scope, receive: Receive, send: Send, path: str,
     watcher = asyncio.get_running_loop().create_task(_until_disconnect(receive))
     watcher.add_done_callback(on_disconnect)
     try:
-        await _route(state, head, key, path, body, send)
+        await _route(state, head, key, path, body, send, usage)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -202,21 +237,23 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
-                 send: Send) -> None:
+                 send: Send, usage) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):
         try:
             lease = await state.router.acquire(head.model, key, exclude=tried)
         except Saturated as err:
+            state.metrics.refused(head.model, err.code)
             raise ApiError(429, str(err), code=err.code,
                            headers={"retry-after": str(err.retry_after_s)}) from None
         if lease is None:
             break
         try:
             return await forward(state.http, lease, path, body, head.stream,
-                                 state.config.gateway, send)
+                                 state.config.gateway, send, usage)
         except Retryable as err:
+            state.metrics.retry(head.model)
             refusals.append(str(err))
             tried.add(lease.replica)
     why = "; ".join(refusals) if refusals else state.controller.why_not_ready(head.model)
@@ -250,7 +287,8 @@ async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None
 
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
-    allowed = await _authorize(request.app.state, request.headers.get("authorization"))
+    record = await _authorize(request.app.state, request.headers.get("authorization"))
+    allowed = record.allowed_models if record else None
     catalog = request.app.state.controller.catalog
     created = int(request.app.state.started_at)
     return {

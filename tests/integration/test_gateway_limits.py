@@ -1,0 +1,86 @@
+"""Per-key limits and usage through real servers: a key over its requests per minute is
+refused with 429 and Retry-After, what it used is recorded from the engine's `usage`, and
+two servers sharing one PostgreSQL enforce one limit between them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+
+from tests.integration.cluster import wait_for
+from tests.pg import create_database, drop_database, postgres_unavailable, run_blocking
+
+
+def _key(c, **limits) -> str:
+    made = c.admin("POST", "/api/keys", json={"name": "limited", "limits": limits})
+    assert made.status_code == 201, made.text
+    return made.json()["key"]
+
+
+def _chat(c, key: str, stream: bool = False) -> httpx.Response:
+    body = {"model": "sim-small", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user", "content": "count me"}]}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return httpx.post(f"{c.base_url}/v1/chat/completions", json=body, timeout=20,
+                      headers={"authorization": f"Bearer {key}"})
+
+
+def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(make_cluster):
+    c = make_cluster()
+    c.start_server()
+    c.add_agent("node-a")
+    c.wait_ready("sim-small")
+    key = _key(c, rpm=3)
+
+    answers = [_chat(c, key), _chat(c, key, stream=True), _chat(c, key)]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    refused = _chat(c, key)
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded"
+    assert "limit of 3 requests per minute is used up" in error["message"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+
+    keys = c.admin("GET", "/api/keys").json()
+    prefix = next(k["prefix"] for k in keys if key.startswith(k["prefix"]))
+
+    def recorded():
+        usage = c.admin("GET", f"/api/keys/{prefix}/usage").json()
+        return usage["models"] and usage
+    usage = wait_for(recorded, 10, "the usage to be written")
+    [model] = usage["models"]
+    assert model["model"] == "sim-small" and model["requests"] == 3
+    # The sim counts prompt words and generated tokens; the stream's usage came from its
+    # final chunk.
+    assert model["completion_tokens"] == 12 and model["prompt_tokens"] > 0
+
+
+@pytest.fixture
+def shared_postgres():
+    try:
+        url = run_blocking(create_database("llmgw_gw"))
+    except OSError as exc:
+        postgres_unavailable(exc)
+    yield url
+    run_blocking(drop_database(url))
+
+
+def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, shared_postgres):
+    a = make_cluster(store={"url": shared_postgres})
+    a.start_server()
+    a.add_agent("node-a")
+    b = make_cluster(store={"url": shared_postgres})
+    b.start_server()
+    b.add_agent("node-b")
+    a.wait_ready("sim-small")
+    b.wait_ready("sim-small")
+    key = _key(a, rpm=5)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda c: _chat(c, key), [a, b] * 4))
+
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200] * 5 + [429] * 3, [(r.status_code, r.text[:80]) for r in answers]
