@@ -149,9 +149,19 @@ class Gateway(_Config):
     affinity_epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.25
 
 
+class MetricsSettings(_Config):
+    """``/metrics`` for Prometheus: a scrape from loopback (not through a proxy) needs no
+    token; any other needs the metrics token (from ``token_file``) or the admin token."""
+
+    enabled: bool = True
+    allow_loopback: bool = True
+    token_file: str | None = None
+
+
 class ServerConfig(_Config):
     listen: Listen = msgspec.field(default_factory=Listen)
     gateway: Gateway = msgspec.field(default_factory=Gateway)
+    metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     state_dir: str = "/var/lib/llmgw"
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     auth: Auth = msgspec.field(default_factory=Auth)

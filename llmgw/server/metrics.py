@@ -96,11 +96,9 @@ class Access:
     def from_config(cls, config: Any) -> Access:
         """From ``config.metrics`` (``enabled``, ``allow_loopback``, ``token_file``);
         the defaults where the config has no such section or key."""
-        section = getattr(config, "metrics", None)
-        token_file = getattr(section, "token_file", None)
-        return cls(enabled=getattr(section, "enabled", True),
-                   allow_loopback=getattr(section, "allow_loopback", True),
-                   token=read_token_file(token_file) if token_file else None)
+        section = config.metrics
+        return cls(enabled=section.enabled, allow_loopback=section.allow_loopback,
+                   token=read_token_file(section.token_file) if section.token_file else None)
 
     def allows(self, request: Request, admin_token: str | None) -> bool:
         token = bearer(request.headers.get("authorization"))

@@ -15,7 +15,7 @@ from litestar.datastructures import State
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.config import Model
+from llmgw.config import Model, ServerConfig, parse
 from llmgw.core.catalog import catalog_from_config
 from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
@@ -148,12 +148,13 @@ def test_loopback_can_be_turned_off():
 
 
 def test_access_from_config(tmp_path):
-    assert Access.from_config(SimpleNamespace()) == Access()
+    assert Access.from_config(ServerConfig()) == Access()
     token = tmp_path / "metrics-token"
     token.write_text("scrape-me\n")
     token.chmod(0o600)
-    section = SimpleNamespace(enabled=False, allow_loopback=False, token_file=str(token))
-    assert Access.from_config(SimpleNamespace(metrics=section)) == Access(
+    config = parse({"metrics": {"enabled": False, "allow_loopback": False,
+                                "token_file": str(token)}}, ServerConfig)
+    assert Access.from_config(config) == Access(
         enabled=False, allow_loopback=False, token="scrape-me")
     token.chmod(0o640)
     with pytest.raises(SecretsFileError, match="chmod 600"):
