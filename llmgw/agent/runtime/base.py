@@ -6,6 +6,9 @@ machine without a systemd manager). The agent speaks only to this interface.
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -42,6 +45,18 @@ class ShardRecord(msgspec.Struct, kw_only=True, frozen=True):
     pid: int = 0
     # The process's start time, so a recycled PID is never mistaken for our shard.
     started_at: float = 0.0
+
+
+def log_tail(path: Path, lines: int) -> list[str]:
+    """The last ``lines`` lines of an engine's log file (read from its last 64 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
+    except OSError:
+        return []
+    return list(tail)
 
 
 class ShardStartError(Exception):

@@ -13,13 +13,12 @@ import contextlib
 import logging
 import os
 import signal
-from collections import deque
 from pathlib import Path
 
 import msgspec
 import psutil
 
-from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError
+from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +148,4 @@ class ProcessRuntime:
         return True
 
     def output_tail(self, unit: str, lines: int = 20) -> list[str]:
-        try:
-            with open(self._log_path(unit), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
-        except OSError:
-            return []
-        return list(tail)
+        return log_tail(self._log_path(unit), lines)

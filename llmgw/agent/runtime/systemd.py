@@ -41,7 +41,7 @@ import os
 import re
 import shutil
 import signal
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ import msgspec
 from dbus_fast import DBusError, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError
+from llmgw.agent.runtime.base import AGENT_ONLY_ENV, ShardRecord, ShardStartError, log_tail
 from llmgw.agent.runtime.systemd_bus import (
     DEST,
     MANAGER,
@@ -487,14 +487,7 @@ class SystemdRuntime:
                     await asyncio.wait_for(changed.wait(), _POLL_S)
 
     def output_tail(self, unit: str, lines: int = 20) -> list[str]:
-        try:
-            with open(self._log_path(unit), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                tail = deque(f.read().decode("utf-8", "replace").splitlines(), maxlen=lines)
-        except OSError:
-            return []
-        return list(tail)
+        return log_tail(self._log_path(unit), lines)
 
 
 def _record_of(props: dict[str, Any]) -> ShardRecord | None:
