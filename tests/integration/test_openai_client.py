@@ -1,0 +1,81 @@
+"""Every /v1 endpoint through the official `openai` client, sync and async, streamed and
+not, against one real cluster with the sim engine."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "sim-small"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from tests.integration.cluster import Cluster
+    from tests.integration.conftest import SIM_SMALL
+
+    c = Cluster(tmp_path_factory.mktemp("openai-client"), [SIM_SMALL])
+    try:
+        c.start_server()
+        c.add_agent("node-a")
+        c.wait_ready(MODEL)
+        yield c
+    finally:
+        c.stop()
+
+
+def _sync(c) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=c.api_key, max_retries=0,
+                         timeout=20)
+
+
+def _async(c) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key=c.api_key,
+                              max_retries=0, timeout=20)
+
+
+MESSAGES = [{"role": "user", "content": "say something"}]
+
+
+def test_sync_client_every_endpoint(cluster):
+    client = _sync(cluster)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 5
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in client.chat.completions.create(
+                           model=MODEL, messages=MESSAGES, max_tokens=5, stream=True)
+                       if c.choices)
+    assert streamed == chat.choices[0].message.content  # the sim is deterministic
+
+    text = client.completions.create(model=MODEL, prompt="once upon", max_tokens=4)
+    assert text.choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="once upon", max_tokens=4, stream=True) if c.choices]
+    assert "".join(pieces) == text.choices[0].text
+
+    vectors = client.embeddings.create(model=MODEL, input=["a", "b"])
+    assert [d.index for d in vectors.data] == [0, 1] and len(vectors.data[0].embedding) > 0
+
+
+async def test_async_client_every_endpoint(cluster):
+    client = _async(cluster)
+    models = [m.id async for m in client.models.list()]
+    assert models == [MODEL]
+
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                  max_tokens=5, stream=True)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert streamed == chat.choices[0].message.content
+
+    text = await client.completions.create(model=MODEL, prompt="once upon", max_tokens=4)
+    stream = await client.completions.create(model=MODEL, prompt="once upon", max_tokens=4,
+                                             stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == \
+        text.choices[0].text
+
+    vectors = await client.embeddings.create(model=MODEL, input="one")
+    assert len(vectors.data) == 1
+    await client.close()
