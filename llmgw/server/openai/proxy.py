@@ -78,6 +78,15 @@ async def forward(http: aiohttp.ClientSession, lease: Lease, path: str, body: by
                         total=None, sock_connect=gateway.connect_timeout_s,
                         sock_read=gateway.idle_timeout_s if stream else None),
                 )
+        except aiohttp.ConnectionTimeoutError:
+            # Nothing was sent: another replica may take it.
+            raise Retryable(f"{lease.replica}: no connection within "
+                            f"{gateway.connect_timeout_s:g} s") from None
+        except aiohttp.SocketTimeoutError:
+            # A stream's first event is held to the idle limit too.
+            raise ApiError(504, f"{lease.replica} sent nothing for "
+                           f"{gateway.idle_timeout_s:g} s (gateway.idle_timeout_s)",
+                           code="upstream_timeout") from None
         except TimeoutError:
             # Not retried: the engine may still be working on it, and another replica
             # would start the same work again.
@@ -133,19 +142,24 @@ async def _relay(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s:
     tail = b""
     reader = StreamUsage() if usage is not None else None
     try:
-        async for chunk in upstream.content.iter_any():
-            if reader is not None:
-                reader.feed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except TimeoutError:
-        log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
-                    idle_timeout_s)
-        tail = stream_error(f"{replica} sent nothing for {idle_timeout_s:g} s "
-                            "(gateway.idle_timeout_s)", "upstream_timeout")
-    except aiohttp.ClientError as err:
-        log.warning("%s broke off its stream: %s", replica, err)
-        tail = stream_error(f"the engine of {replica} broke off the stream", "upstream_error")
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
-    if reader is not None:
-        # Counted even for a stream the engine broke off: its tokens were spent.
-        usage(reader.end())
+        try:
+            async for chunk in upstream.content.iter_any():
+                if reader is not None:
+                    reader.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except TimeoutError:
+            log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
+                        idle_timeout_s)
+            tail = stream_error(f"{replica} sent nothing for {idle_timeout_s:g} s "
+                                "(gateway.idle_timeout_s)", "upstream_timeout")
+        except aiohttp.ClientError as err:
+            log.warning("%s broke off its stream: %s", replica, err)
+            tail = stream_error(f"the engine of {replica} broke off the stream",
+                                "upstream_error")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+    finally:
+        if reader is not None:
+            # Counted however the stream ended (broken off, or the client left): the
+            # tokens were spent. An engine reports usage only at the end, so a stream cut
+            # short counts as a request without tokens.
+            usage(reader.end())

@@ -278,9 +278,9 @@ async def embeddings(scope: Scope, receive: Receive, send: Send) -> None:
 
 @asgi("/v1", is_mount=True, copy_scope=True)
 async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
-    """Any other POST under /v1 that names a ``model`` (responses, rerank, audio …) goes to
-    an engine serving that model as it is: new endpoints work without a new llmgw. (The
-    routes above, and GET /v1/models, are matched before this mount.)"""
+    """Any other POST under /v1 with a JSON body that names a ``model`` (responses, rerank
+    …) goes to an engine serving that model as it is: new endpoints work without a new
+    llmgw. (The routes above, and GET /v1/models, are matched before this mount.)"""
     path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
     await _gateway(scope, receive, send, path.split("?", 1)[0], None)
 
