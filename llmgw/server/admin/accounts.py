@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request, Response, get, patch, post, put
+from litestar.params import FromPath
 
 from llmgw.core.names import NameRuleError, check_username
 from llmgw.server.admin.common import Input, body, client_address, require
@@ -223,7 +224,7 @@ async def create_user(request: Request) -> dict:
 
 
 @patch("/api/users/{username:str}")
-async def change_user(request: Request, username: str) -> dict:
+async def change_user(request: Request, username: FromPath[str]) -> dict:
     principal = await require(request, admin=True)
     state = request.app.state
     change = await body(request, UserChange)

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import msgspec
 from litestar import Request, delete, get, patch, post
+from litestar.params import FromPath
 
 from llmgw.core.usage import LIMIT_NAMES, LIMIT_PERIOD, MAX_LIMIT, Limits, seconds_left, used
 from llmgw.server.admin.common import Input, body, require
@@ -124,7 +125,7 @@ async def create_key(request: Request) -> dict:
 
 
 @delete("/api/keys/{prefix:str}", status_code=200)
-async def revoke_key(request: Request, prefix: str) -> dict:
+async def revoke_key(request: Request, prefix: FromPath[str]) -> dict:
     principal = await require(request)
     await _visible_key(request, principal, prefix)
     await request.app.state.store.revoke_api_key(prefix, datetime.now(UTC))
@@ -132,7 +133,7 @@ async def revoke_key(request: Request, prefix: str) -> dict:
 
 
 @patch("/api/keys/{prefix:str}")
-async def change_key(request: Request, prefix: str) -> dict:
+async def change_key(request: Request, prefix: FromPath[str]) -> dict:
     """Change a key's limits: ``{"limits": {"rpm": 60, "tpm": null}}`` sets rpm, lifts tpm
     and keeps the others. Servers apply it from the key's next request on."""
     principal = await require(request)
@@ -145,7 +146,7 @@ async def change_key(request: Request, prefix: str) -> dict:
 
 
 @get("/api/keys/{prefix:str}/usage")
-async def key_usage(request: Request, prefix: str) -> dict:
+async def key_usage(request: Request, prefix: FromPath[str]) -> dict:
     """What the key used, per model and UTC day from ``since`` to ``until`` (dates, both
     included; by default the last 30 days), and where it stands against each limit now."""
     principal = await require(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Request, get, post
+from litestar.params import FromPath
 
 from llmgw.server.admin.common import require
 from llmgw.server.errors import ApiError
@@ -61,12 +62,12 @@ async def _drain(request: Request, node_id: str, draining: bool) -> dict:
 
 
 @post("/api/nodes/{node_id:str}/drain", status_code=200)
-async def drain(request: Request, node_id: str) -> dict:
+async def drain(request: Request, node_id: FromPath[str]) -> dict:
     return await _drain(request, node_id, True)
 
 
 @post("/api/nodes/{node_id:str}/undrain", status_code=200)
-async def undrain(request: Request, node_id: str) -> dict:
+async def undrain(request: Request, node_id: FromPath[str]) -> dict:
     return await _drain(request, node_id, False)
 
 
