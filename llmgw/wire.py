@@ -19,8 +19,9 @@ import msgspec
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
 
-# starting | ready | unhealthy | failed | stopped. Plain text, not a closed set, so that a newer
-# agent's new state is read as "not ready" here rather than as a broken peer.
+# fetching | starting | ready | unhealthy | failed | stopped. Plain text, not a closed
+# set, so that a newer agent's new state is read as "not ready" here rather than as a
+# broken peer.
 ShardState = str
 
 

@@ -161,7 +161,7 @@ class ShardSupervisor:
             log.info("%s: fetching %s from %s", record.unit, key, profile.source)
 
             def progress(text: str) -> None:
-                self._report(self._status(record, "starting", detail=text))
+                self._report(self._status(record, "fetching", detail=text))
 
             directory = await self._weights.ensure(key, profile.source, list(profile.files),
                                                    msg.model, progress)

@@ -116,9 +116,10 @@ def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: P
         )
     # Adopted replicas too: created_at is when they were adopted. A shard that was ready
     # and now fails its health check is not starting: its agent fails it if it does not
-    # recover, and the startup clock does not apply.
+    # recover, and the startup clock does not apply. Nor while a shard fetches weights
+    # (the fetch has its own timeouts); the clock starts when it is done.
     starting = replica.state is ReplicaState.STARTING and not any(
-        s.state == "unhealthy" for s in replica.shards)
+        s.state in ("unhealthy", "fetching") for s in replica.shards)
     if starting and now - replica.created_at >= startup_timeout_s:
         return f"not ready after {startup_timeout_s:g} s"
     return None

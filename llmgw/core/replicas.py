@@ -31,7 +31,7 @@ class Shard:
     address: str
     port: int | None
     gpus: tuple[int, ...] = ()
-    state: str = "starting"  # starting | ready | unhealthy | failed | stopped
+    state: str = "starting"  # fetching | starting | ready | unhealthy | failed | stopped
     detail: str = ""
     output_tail: tuple[str, ...] = ()
 
@@ -126,6 +126,10 @@ def apply_status(
     shard = replica.shard(rank)
     if shard is None:
         return replica
+    if shard.state == "fetching" and state != "fetching":
+        # The weights are there now: the startup clock starts over, so a long download
+        # does not count against the engine's startup timeout.
+        replica = replace(replica, created_at=now)
     updated = replace(
         shard,
         state=state,

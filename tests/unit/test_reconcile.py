@@ -318,6 +318,14 @@ def test_a_replica_whose_ready_shard_turned_unhealthy_is_left_to_its_agent() -> 
     assert of_type(plan(catalog(model()), nodes, [unhealthy], {}, NOW + 3600), Reap) == []
 
 
+def test_a_replica_fetching_its_weights_is_not_held_to_the_startup_timeout() -> None:
+    fetching = replica("m-e1", ("node01", (0,), 20000), state=ReplicaState.STARTING,
+                       created_at=NOW, shard_state="fetching")
+    nodes = [h100_8x80g("node01")]
+
+    assert of_type(plan(catalog(model()), nodes, [fetching], {}, NOW + 3600), Reap) == []
+
+
 def test_adopted_replica_stuck_starting_is_reaped_after_the_startup_timeout() -> None:
     # Its "ready" may have been lost while the agent reconnected; it must not wait forever.
     adopted = replica(

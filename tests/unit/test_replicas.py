@@ -208,6 +208,18 @@ def test_a_long_running_replica_whose_agent_restarts_gets_a_fresh_startup_clock(
     assert ready.state is ReplicaState.READY and ready.created_at == 3700.0
 
 
+def test_the_startup_clock_starts_when_the_weights_are_fetched() -> None:
+    placed = adopt_one(None, shard(0, "node01", state="fetching"), world_size=1, now=100.0)
+    assert placed.state is ReplicaState.STARTING and placed.created_at == 100.0
+    still = apply_status(placed, rank=0, epoch=9, state="fetching", now=400.0,
+                         detail="fetching m: 3.1/15.2 GB")
+    assert still.created_at == 100.0
+
+    fetched = apply_status(still, rank=0, epoch=9, state="starting", now=2000.0)
+
+    assert fetched.state is ReplicaState.STARTING and fetched.created_at == 2000.0
+
+
 def test_adopt_a_rank_again_replaces_it() -> None:
     replica = adopt_one(None, shard(0, "node01", port=20000))
     replica = adopt_one(replica, shard(0, "node01", port=20010))
