@@ -52,6 +52,7 @@ class ShardSupervisor:
         self._report = report
         self._tasks: dict[str, asyncio.Task] = {}
         self._records: dict[str, ShardRecord] = {}
+        self._preparing: dict[str, ShardRecord] = {}  # fetching weights, starting sidecars
         self._sidecars: dict[str, list[ShardRecord]] = {}  # engine unit -> its sidecars
         self._states: dict[str, wire.ShardState] = {}
         self._stopping: set[str] = set()
@@ -82,7 +83,7 @@ class ShardSupervisor:
                 model=r.model, profile=r.profile, engine=r.engine, port=r.port,
                 state=self._states.get(unit, "starting"),
             )
-            for unit, r in sorted(self._records.items())
+            for unit, r in sorted({**self._preparing, **self._records}.items())
         ]
 
     async def adopt_running(self) -> int:
@@ -108,6 +109,9 @@ class ShardSupervisor:
 
     def start(self, msg: wire.StartShard) -> None:
         unit = shard_unit(msg.replica, msg.rank)
+        if unit in self._preparing:
+            log.info("already preparing %s; ignoring a second start", unit)
+            return
         if unit in self._records:
             known = self._records[unit]
             if known.epoch >= msg.epoch:
@@ -161,7 +165,7 @@ class ShardSupervisor:
             log.info("%s: fetching %s from %s", record.unit, key, profile.source)
 
             def progress(text: str) -> None:
-                self._report(self._status(record, "fetching", detail=text))
+                self._set(record, "fetching", detail=text)
 
             directory = await self._weights.ensure(key, profile.source, list(profile.files),
                                                    msg.model, progress)
@@ -175,11 +179,28 @@ class ShardSupervisor:
             epoch=msg.epoch, model=msg.model, profile=profile.name, engine=profile.engine,
             startup_timeout_s=profile.startup_timeout_s, gpus=tuple(msg.gpus),
         )
+        # Reported in running() while it prepares (a fetch can take an hour), so that a
+        # reconnection in between does not read as a shard gone missing.
+        self._preparing[unit] = record
+        try:
+            launched = await self._prepare_and_launch(unit, msg, record)
+        finally:
+            self._preparing.pop(unit, None)
+            if unit not in self._records:
+                self._states.pop(unit, None)
+        if launched is not None:
+            self._set(launched, "starting")
+            await self._watch(launched, adopted=False)
+
+    async def _prepare_and_launch(self, unit: str, msg: wire.StartShard,
+                                  record: ShardRecord) -> ShardRecord | None:
+        """Weights, sidecars, then the engine; the launched record, or None (reported)."""
+        profile = msg.profile
         try:
             weights = await self._weights_path(record, msg)
         except WeightsError as err:
             self._report(self._status(record, "failed", detail=str(err)))
-            return
+            return None
         request = engines.ShardRequest(
             replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
             args=tuple(profile.args), env=tuple(sorted(profile.env.items())), port=msg.port,
@@ -210,11 +231,10 @@ class ShardSupervisor:
         except (engines.EngineError, ShardStartError) as err:
             await self._stop_sidecars(unit)
             self._report(self._status(record, "failed", detail=str(err)))
-            return
+            return None
         log.info("started %s (pid %d): %s", unit, record.pid, " ".join(launch.argv))
         self._records[unit] = record
-        self._set(record, "starting")
-        await self._watch(record, adopted=False)
+        return record
 
     async def _start_sidecars(self, record: ShardRecord, msg: wire.StartShard) -> None:
         """Start the profile's sidecars, in order, each ready before the next; the engine
@@ -408,7 +428,7 @@ class ShardSupervisor:
 
     async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:
         self._stopping.add(unit)
-        record = self._records.pop(unit, None)
+        record = self._records.pop(unit, None) or self._preparing.get(unit)
         if record is not None:
             self._stopping_records[unit] = record
         task = self._tasks.pop(unit, None)

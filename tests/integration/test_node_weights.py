@@ -193,3 +193,29 @@ def test_nodes_report_each_weights_directory_with_its_free_space(make_cluster, t
                                                         (str(tmp_path / "filer"), True)]
     # Created at start, so the first heartbeat already reports their disk.
     assert local.is_dir() and all(d["free_mib"] > 0 and d["total_mib"] > 0 for d in dirs)
+
+
+def test_a_fetch_survives_a_control_plane_restart_and_is_not_started_twice(make_cluster):
+    # 2 MiB served in 64 KiB chunks 0.1 s apart: a fetch of about three seconds.
+    repo = {"org/slow-weights": {"model.bin": os.urandom(2 * 2**20)}}
+    with hub_in_thread(repo, chunk=64 * 1024, chunk_delay=0.1) as hub:
+        model = {"name": "sim-slow-fetch", "replicas": 1, "profiles": [{
+            "engine": "sim", "source": "hf://org/slow-weights"}]}
+        c = make_cluster(models=[model])
+        c.start_server()
+        c.add_agent("node-a", weights={"directories": [{"path": str(c.root / "w")}],
+                                       "hub": hub.url})
+
+        def fetching():
+            for r in c.replicas("sim-slow-fetch"):
+                if r["shards"] and r["shards"][0]["state"] == "fetching":
+                    return r
+            return None
+        first = wait_for(fetching, 15, "the shard to report fetching")
+        assert "fetching sim-slow-fetch:" in first["shards"][0]["detail"]
+
+        c.restart_server()  # the agent reconnects mid-fetch and reports the shard
+
+        [ready] = c.wait_ready("sim-slow-fetch", timeout_s=30)
+        assert ready["id"] == first["id"]  # adopted, not placed again
+        assert len(hub.downloads("model.bin")) == 1
