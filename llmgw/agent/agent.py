@@ -76,8 +76,9 @@ async def choose_runtime(config: AgentConfig) -> Runtime:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig):
+    def __init__(self, config: AgentConfig, runtime: Runtime):
         self.config = config
+        self.runtime = runtime
         self.node_id = config.node_id or host.hostname()
         self.address = config.address or ""
         self._outbox: asyncio.Queue[wire.Up] = asyncio.Queue()
@@ -88,18 +89,14 @@ class Agent:
         # The inventory the control plane has: a probe that finds it changed sends it.
         self._inventory_sent: wire.Inventory | None = None
         self._probe_now = asyncio.Event()
-        self.runtime: Runtime = ProcessRuntime(config.state_dir)
-        self.supervisor = self._supervisor()
-
-    def _supervisor(self) -> ShardSupervisor:
-        return ShardSupervisor(
+        self.supervisor = ShardSupervisor(
             self.runtime,
             bind_address=self.address or "127.0.0.1",
-            binaries={name: e.binary for name, e in self.config.engines.items()},
+            binaries={name: e.binary for name, e in config.engines.items()},
             report=self._send,
             weights=self.weights,
             weights_changed=self._probe_now.set,
-            health=self.config.shard_health,
+            health=config.shard_health,
         )
 
     def _route(self) -> str:
@@ -172,8 +169,6 @@ class Agent:
 
     async def run(self) -> None:
         """Serve until cancelled."""
-        self.runtime = await choose_runtime(self.config)
-        self.supervisor = self._supervisor()
         await asyncio.to_thread(self.weights.prepare)
         async with self.supervisor:
             adopted = await self.supervisor.adopt_running()

@@ -7,14 +7,14 @@ import contextlib
 import logging
 import signal
 
-from llmgw.agent.agent import Agent
+from llmgw.agent.agent import Agent, choose_runtime
 from llmgw.config import AgentConfig
 
 log = logging.getLogger(__name__)
 
 
 async def run_agent(config: AgentConfig) -> None:
-    agent = Agent(config)
+    agent = Agent(config, await choose_runtime(config))
     task = asyncio.create_task(agent.run(), name="agent")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -299,6 +299,13 @@ class Cluster:
                         and self.ready_replicas(model), timeout_s,
                         f"{count} ready replica(s) of {model}")
 
+    def server_log_line(self, *words: str, timeout_s: float = 30) -> str:
+        """Wait for the first line of the server's log holding every one of ``words``."""
+        log = self.root / "server.log"
+        return wait_for(lambda: next((line for line in log.read_text().splitlines()
+                                      if all(w in line for w in words)), None),
+                        timeout_s, f"a server log line with {words}")
+
     def logs(self) -> str:
         parts = []
         for path in sorted(self.root.glob("*.log")):

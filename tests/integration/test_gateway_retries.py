@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 from types import SimpleNamespace
 
@@ -53,7 +54,7 @@ def _state(router: Router, http_session) -> SimpleNamespace:
 
 async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines):
     healthy, lonely, refusing = engines
-    router = Router()
+    router = Router(rng=random.Random(7))  # seeded: the same draws every run
     router.update({MODEL: [("refusing", "127.0.0.1", refusing), ("lonely", "127.0.0.1",
                                                                  lonely.port),
                            ("healthy", "127.0.0.1", healthy.port)]})

@@ -167,10 +167,7 @@ def test_a_fetch_that_fails_fails_the_shard_with_the_reason(make_cluster):
                                        "hub": hub.url})
 
         # The control plane hears why: the shard failed with the agent's words.
-        server_log = c.root / "server.log"
-        line = wait_for(lambda: next((ln for ln in server_log.read_text().splitlines()
-                                      if "-> failed" in ln and "model.bin" in ln), None),
-                        30, "the checksum failure to be reported")
+        line = c.server_log_line("-> failed", "model.bin")
         assert "sha256 mismatch" in line and "fetching sim-fetched" in line
         assert not any(p.name.startswith(".partial-") for p in (c.root / "w").iterdir())
 

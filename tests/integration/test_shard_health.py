@@ -51,10 +51,7 @@ def test_an_engine_that_stays_unhealthy_is_failed_and_replaced(make_cluster):
     [record] = agent.shard_records()
     os.kill(record["pid"], signal.SIGSTOP)
     try:
-        log = c.root / "server.log"
-        line = wait_for(lambda: next((ln for ln in log.read_text().splitlines()
-                                      if "health check failed for 2 s" in ln), None),
-                        20, "the shard to be failed")
+        line = c.server_log_line("health check failed for 2 s", timeout_s=20)
         assert replica["id"] in line
         wait_for(lambda: not process_alive(record["pid"], record["started_at"]), 20,
                  "the frozen engine to be stopped")

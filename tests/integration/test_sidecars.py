@@ -69,10 +69,7 @@ def test_a_sidecar_that_never_answers_fails_the_shard_before_the_engine_starts(m
                                     startup_timeout_s=1.5)])
     c.start_server()
     agent = c.add_agent("node-a")
-    log = c.root / "server.log"
-    line = wait_for(lambda: next((ln for ln in log.read_text().splitlines()
-                                  if "sidecar helper did not accept" in ln), None),
-                    30, "the sidecar's refusal")
+    line = c.server_log_line("sidecar helper did not accept")
     assert f"127.0.0.1:{port} within 1.5 s" in line
     # No engine was launched for it, and the sidecar was stopped.
     assert "llmgw.sim" not in (agent.log.read_text())
@@ -88,10 +85,7 @@ def test_a_sidecar_port_already_taken_is_refused_with_the_reason(make_cluster):
         c = make_cluster(models=[_model(port)])
         c.start_server()
         agent = c.add_agent("node-a")
-        log = c.root / "server.log"
-        line = wait_for(lambda: next((ln for ln in log.read_text().splitlines()
-                                      if f"port {port} is already in use" in ln), None),
-                        30, "the refusal")
+        line = c.server_log_line(f"port {port} is already in use")
         assert "sidecar helper's" in line and "one shard of the profile per node" in line
         # Nothing was started for it: neither the sidecar nor the engine.
         assert "started sidecar" not in agent.log.read_text()
