@@ -31,7 +31,7 @@ from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, error_response
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
-from llmgw.server.openai.proxy import client_session
+from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from llmgw.server.openai.usage import UsageRecorder
 from llmgw.store import Store, StoreError
@@ -114,7 +114,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.http = client_session(config.gateway)
+        app.state.upstream = upstream_pool(config.gateway)
         await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping"),
@@ -125,7 +125,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await app.state.http.close()
+            await app.state.upstream.close()
 
     app = Litestar(
         route_handlers=[healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,

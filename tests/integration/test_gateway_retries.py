@@ -23,7 +23,7 @@ from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.metrics import Metrics
 from llmgw.server.openai import routes
-from llmgw.server.openai.proxy import client_session
+from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from tests.integration.cluster import free_port
 from tests.integration.test_sim_engine import MODEL, Launcher, http, wait_for
@@ -42,12 +42,12 @@ def engines(tmp_path_factory):
     launcher.stop_all()
 
 
-def _state(router: Router, http_session) -> SimpleNamespace:
+def _state(router: Router, pool) -> SimpleNamespace:
     models = [msgspec.convert({"name": MODEL, "profiles": [{"engine": "sim"}]}, Model)]
     controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
                                  sessions=NodeSessions(Timeouts()),
                                  why_not_ready=lambda model: "no replica is ready")
-    return SimpleNamespace(router=router, http=http_session, controller=controller,
+    return SimpleNamespace(router=router, upstream=pool, controller=controller,
                            config=SimpleNamespace(gateway=Gateway()),
                            metrics=Metrics(controller, router, process=False))
 
@@ -62,8 +62,9 @@ async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines
                        "messages": [{"role": "user", "content": "once"}]}).encode()
     head = routes._parse(body, "messages")
     before = http(healthy.port, "/sim/stats")[1]["requests_total"]
-    async with client_session(Gateway()) as session:
-        state = _state(router, session)
+    pool = upstream_pool(Gateway())
+    try:
+        state = _state(router, pool)
         for _ in range(12):
             sent: list[dict] = []
 
@@ -79,6 +80,8 @@ async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines
                       for line in text.splitlines()
                       if line.startswith("data: {") and '"choices":[{' in line]
             assert sum(1 for t in tokens if t) == 8  # eight tokens, none twice
+    finally:
+        await pool.close()
     # The healthy engine saw each request exactly once; every slot was given back.
     assert http(healthy.port, "/sim/stats")[1]["requests_total"] - before == 12
     assert router.in_flight() == {"refusing": 0, "lonely": 0, "healthy": 0}
@@ -112,12 +115,13 @@ async def test_a_stream_broken_after_its_first_byte_is_not_retried():
     async def send(message: dict) -> None:
         sent.append(message)
 
+    pool = upstream_pool(Gateway())
     try:
-        async with client_session(Gateway()) as session:
-            state = _state(router, session)
-            await routes._route(state, routes._parse(body, "messages"), None,
-                                "/v1/chat/completions", body, send, None)
+        state = _state(router, pool)
+        await routes._route(state, routes._parse(body, "messages"), None,
+                            "/v1/chat/completions", body, send, None)
     finally:
+        await pool.close()
         server.close()
         await server.wait_closed()
     text = b"".join(m.get("body", b"") for m in sent).decode()

@@ -9,24 +9,27 @@ connection, so the engine stops generating for nobody.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-import aiohttp
 import msgspec
 
 from llmgw.config import Gateway
 from llmgw.core.usage import StreamUsage, Usage, usage_from_body
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.router import Lease
+from llmgw.server.openai.upstream import (
+    Answer,
+    ConnectError,
+    Pool,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[dict], Awaitable[None]]
 
-# Passed on from the engine's answer; everything else (hop-by-hop, lengths) is ours.
-_KEEP_HEADERS = frozenset({"content-type", "cache-control"})
 _JSON = b"application/json"
 
 
@@ -37,122 +40,106 @@ def stream_error(message: str, code: str) -> bytes:
     return b"data: " + body + b"\n\n"
 
 
-def client_session(gateway: Gateway) -> aiohttp.ClientSession:
-    """One pooled session for every upstream request of this server process."""
-    return aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=gateway.connect_timeout_s),
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-        auto_decompress=False,
-    )
+def upstream_pool(gateway: Gateway) -> Pool:
+    """One pool of engine connections for every upstream request of this server process."""
+    return Pool(connect_timeout_s=gateway.connect_timeout_s)
 
 
 class Retryable(Exception):
     """The engine refused before answering anything; another replica may take it."""
 
 
-def _headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    return [(k.lower().encode(), v.encode()) for k, v in upstream.headers.items()
-            if k.lower() in _KEEP_HEADERS]
-
-
 UsageSink = Callable[[Usage | None], None]
+_ACCEPT_STREAM = b"text/event-stream"
 
 
-async def forward(http: aiohttp.ClientSession, lease: Lease, path: str, body: bytes,
-                  stream: bool, gateway: Gateway, send: Send,
-                  usage: UsageSink | None = None) -> None:
+async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
+                  gateway: Gateway, send: Send, usage: UsageSink | None = None) -> None:
     """Forward one request on ``lease`` and write the answer with ``send``. Raises
     ``Retryable`` or ``ApiError`` only before anything was sent to the client; the lease is
     released however this ends. ``usage``, when given, is called once with the tokens the
     engine reported for a successful answer (None when it reported none)."""
+    endpoint = lease.endpoint
     try:
         try:
-            async with asyncio.timeout(gateway.first_byte_timeout_s):
-                upstream = await http.post(
-                    lease.base_url + path, data=body,
-                    headers={"content-type": "application/json",
-                             "accept": "text/event-stream" if stream else "application/json"},
-                    # A stream's reads time out when idle; a non-streamed answer is waited
-                    # for as a whole, under the first-byte limit above.
-                    timeout=aiohttp.ClientTimeout(
-                        total=None, sock_connect=gateway.connect_timeout_s,
-                        sock_read=gateway.idle_timeout_s if stream else None),
-                )
-        except aiohttp.ConnectionTimeoutError:
+            upstream = await pool.post(
+                endpoint.host, endpoint.port, path, body, _ACCEPT_STREAM if stream else _JSON,
+                first_byte_timeout_s=gateway.first_byte_timeout_s,
+                idle_timeout_s=gateway.idle_timeout_s)
+        except ConnectError as err:
             # Nothing was sent: another replica may take it.
-            raise Retryable(f"{lease.replica}: no connection within "
-                            f"{gateway.connect_timeout_s:g} s") from None
-        except aiohttp.SocketTimeoutError:
-            # A stream's first event is held to the idle limit too.
-            raise ApiError(504, f"{lease.replica} sent nothing for "
-                           f"{gateway.idle_timeout_s:g} s (gateway.idle_timeout_s)",
-                           code="upstream_timeout") from None
-        except TimeoutError:
+            raise Retryable(f"{lease.replica}: {err}") from None
+        except UpstreamTimeout:
             # Not retried: the engine may still be working on it, and another replica
             # would start the same work again.
             raise ApiError(504, f"{lease.replica} sent nothing for "
                            f"{gateway.first_byte_timeout_s:g} s "
                            "(gateway.first_byte_timeout_s)", code="upstream_timeout") from None
-        except aiohttp.ClientConnectionError as err:
+        except UpstreamError as err:
             raise Retryable(f"{lease.replica}: {err}") from None
         try:
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
-            media_type = upstream.headers.get("content-type", "application/json")
-            if stream and upstream.status == 200 and media_type.startswith("text/event-stream"):
-                await _relay(upstream, lease.replica, gateway.idle_timeout_s, send, usage)
+            media_type = _content_type(upstream.headers)
+            if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
+                await _relay(upstream, lease.replica, gateway, send, usage)
             else:
-                await _answer(upstream, lease.replica, gateway.idle_timeout_s, send, usage)
+                await _answer(upstream, lease.replica, gateway, send, usage)
         finally:
-            # Closing (not releasing) drops the connection where the answer was cut short,
-            # which is how the engine learns that nobody is listening any more.
-            if upstream.content.is_eof():
-                upstream.release()
-            else:
-                upstream.close()
+            # Back to the pool when read to the end; dropped where the answer was cut
+            # short, which is how the engine learns that nobody is listening any more.
+            upstream.close()
     finally:
         lease.release()
 
 
-async def _answer(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s: float,
-                  send: Send, usage: UsageSink | None) -> None:
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
+    for name, value in headers:
+        if name == b"content-type":
+            return value
+    return _JSON
+
+
+async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
+                  usage: UsageSink | None) -> None:
     try:
-        async with asyncio.timeout(idle_timeout_s):
-            content = await upstream.read()
-    except TimeoutError:
-        raise ApiError(504, f"{replica} stopped sending its answer for {idle_timeout_s:g} s "
-                       "(gateway.idle_timeout_s)", code="upstream_timeout") from None
-    except aiohttp.ClientError as err:
+        content = await upstream.read()
+    except UpstreamTimeout:
+        raise ApiError(504, f"{replica} stopped sending its answer for "
+                       f"{gateway.idle_timeout_s:g} s (gateway.idle_timeout_s)",
+                       code="upstream_timeout") from None
+    except UpstreamError as err:
         raise ApiError(502, f"the engine of {replica} broke off its answer: {err}",
                        code="upstream_error") from None
-    headers = _headers(upstream)
+    headers = upstream.headers
     if not any(k == b"content-type" for k, _ in headers):
-        headers.append((b"content-type", _JSON))
-    headers.append((b"content-length", str(len(content)).encode()))
-    await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        headers = [*headers, (b"content-type", _JSON)]
+    await send({"type": "http.response.start", "status": upstream.status,
+                "headers": [*headers, (b"content-length", str(len(content)).encode())]})
     await send({"type": "http.response.body", "body": content})
     if usage is not None and 200 <= upstream.status < 300:
         usage(usage_from_body(content))
 
 
-async def _relay(upstream: aiohttp.ClientResponse, replica: str, idle_timeout_s: float,
-                 send: Send, usage: UsageSink | None) -> None:
+async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
+                 usage: UsageSink | None) -> None:
     await send({"type": "http.response.start", "status": 200,
-                "headers": [*_headers(upstream), (b"x-accel-buffering", b"no")]})
+                "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
     tail = b""
     reader = StreamUsage() if usage is not None else None
     try:
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.chunk():
                 if reader is not None:
                     reader.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except TimeoutError:
+        except UpstreamTimeout:
+            idle_timeout_s = gateway.idle_timeout_s
             log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
                         idle_timeout_s)
             tail = stream_error(f"{replica} sent nothing for {idle_timeout_s:g} s "
                                 "(gateway.idle_timeout_s)", "upstream_timeout")
-        except aiohttp.ClientError as err:
+        except UpstreamError as err:
             log.warning("%s broke off its stream: %s", replica, err)
             tail = stream_error(f"the engine of {replica} broke off the stream",
                                 "upstream_error")

@@ -60,7 +60,8 @@ class QueueTimeout(Saturated):
 @dataclass(slots=True, eq=False, weakref_slot=True)
 class Endpoint:
     replica: str
-    base_url: str
+    host: str
+    port: int
     slots: int = DEFAULT_SLOTS
     # Leases held: what routing counts and bounds by ``slots``.
     outstanding: int = 0
@@ -80,10 +81,6 @@ class Lease:
     @property
     def replica(self) -> str:
         return self.endpoint.replica
-
-    @property
-    def base_url(self) -> str:
-        return self.endpoint.base_url
 
     def release(self) -> None:
         """Free the slot and hand it to the next waiter; a second call does nothing."""
@@ -201,11 +198,9 @@ class Router:
             pool = self._pools.get(model) or _Pool()
             endpoints = []
             for replica, address, port, *rest in sorted(replicas):
-                host = f"[{address}]" if ":" in address else address
-                base_url = f"http://{host}:{port}"
                 endpoint = current.get(replica) or self._departed.get(replica)
-                if endpoint is None or endpoint.base_url != base_url:
-                    endpoint = Endpoint(replica, base_url)
+                if endpoint is None or (endpoint.host, endpoint.port) != (address, port):
+                    endpoint = Endpoint(replica, address, port)
                 endpoint.slots = rest[0] if rest and rest[0] else self.default_slots
                 endpoint.pool = pool
                 endpoints.append(endpoint)

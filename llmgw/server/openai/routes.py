@@ -32,6 +32,9 @@ class ClientGone(Exception):
 
 # Replicas tried for one request before giving up, when the first ones refuse outright.
 _MAX_ATTEMPTS = 3
+# How long a request runs before its client is watched for leaving: well within the
+# second in which an abandoned request must be closed upstream.
+_WATCH_AFTER_S = 0.2
 
 
 class _Head(msgspec.Struct):
@@ -206,20 +209,27 @@ async def _serve(scope: Scope, receive: Receive, send: Send, path: str,
     key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
            if gateway.affinity else None)
 
-    # One watcher task for the whole request, which cancels this one if the client goes:
-    # the upstream request is then closed and the engine stops generating for nobody.
+    # A watcher task, for a request still going after a moment, cancels this one if the
+    # client goes: the upstream request is then closed and the engine stops generating for
+    # nobody. Most answers that are done sooner never pay for the task.
     handler = asyncio.current_task()
     watching = True
     gone = False
+    watcher: asyncio.Task | None = None
 
-    def on_disconnect(watcher: asyncio.Task) -> None:
+    def on_disconnect(task: asyncio.Task) -> None:
         nonlocal gone
-        if watching and not watcher.cancelled() and watcher.exception() is None:
+        if watching and not task.cancelled() and task.exception() is None:
             gone = True
             handler.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(_until_disconnect(receive))
-    watcher.add_done_callback(on_disconnect)
+    def watch() -> None:
+        nonlocal watcher
+        watcher = loop.create_task(_until_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
+
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
         await _route(state, head, key, path, body, send, usage)
     except asyncio.CancelledError:
@@ -228,7 +238,9 @@ async def _serve(scope: Scope, receive: Receive, send: Send, path: str,
         raise
     finally:
         watching = False
-        watcher.cancel()
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -250,7 +262,7 @@ async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
         if lease is None:
             break
         try:
-            return await forward(state.http, lease, path, body, head.stream,
+            return await forward(state.upstream, lease, path, body, head.stream,
                                  state.config.gateway, send, usage)
         except Retryable as err:
             state.metrics.retry(head.model)

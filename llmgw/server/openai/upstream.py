@@ -1,0 +1,384 @@
+"""A lean HTTP/1.1 client for the one thing the gateway does upstream: POST a body to an
+engine and read its answer, whole or chunk by chunk.
+
+aiohttp's client, measured on the gateway's hot path, cost more CPU per proxied request
+than everything else llmgw does for it (request objects, header multidicts, timeouts as
+context managers, a task per read). This client keeps one ``asyncio.Protocol`` per
+keep-alive connection with httptools (llhttp) parsing the answer, and writes each request
+as one buffer. It does no redirects, cookies, proxies, TLS, decompression or pipelining:
+engines are plain HTTP on the cluster's network.
+
+Timeouts are timer handles on the exchange, not ``asyncio.timeout`` scopes: the idle timer
+is re-armed lazily (at most once per idle period), so a stream of thousands of chunks costs
+a handful of timers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import httptools
+
+# Passed on from the engine's answer; everything else (hop-by-hop, lengths) is ours.
+KEPT_HEADERS = frozenset({b"content-type", b"cache-control"})
+# Above this much unread answer, reading from the engine pauses until the client catches up.
+_HIGH_WATER = 256 * 1024
+# Idle keep-alive connections kept per engine address.
+_MAX_IDLE = 64
+
+
+class UpstreamError(Exception):
+    """The exchange with the engine failed. ``answered`` is False when the engine sent no
+    status line, so another replica may take the request."""
+
+    def __init__(self, message: str, *, answered: bool):
+        super().__init__(message)
+        self.answered = answered
+
+
+class ConnectError(UpstreamError):
+    """No connection could be made (refused, unreachable, or not within the limit)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message, answered=False)
+        self.timed_out = timed_out
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine sent nothing for too long: ``phase`` is "first_byte" or "idle"."""
+
+    def __init__(self, phase: str, answered: bool):
+        super().__init__(f"no data ({phase})", answered=answered)
+        self.phase = phase
+
+
+class Pool:
+    """Keep-alive connections per engine address, for every upstream request of a server
+    process."""
+
+    def __init__(self, connect_timeout_s: float):
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
+        self._closed = False
+
+    async def post(self, host: str, port: int, path: str, body: bytes, accept: bytes,
+                   *, first_byte_timeout_s: float, idle_timeout_s: float | None) -> Answer:
+        """Send the request and wait for the answer's status and headers (under
+        ``first_byte_timeout_s``); the body is read from the returned Answer, each read
+        under ``idle_timeout_s`` when given."""
+        head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
+                         host.encode("idna"), b":", str(port).encode(),
+                         b"\r\ncontent-type: application/json\r\naccept: ", accept,
+                         b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n"))
+        payload = head + body
+        for attempt in range(2):
+            conn, reused = await self._connection(host, port)
+            answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
+            conn.start(answer, payload)
+            try:
+                await answer.headers_done()
+                return answer
+            except UpstreamError as err:
+                conn.abort()
+                # A pooled connection the engine closed as we picked it: the request never
+                # reached it. Once more on a fresh connection.
+                if (reused and attempt == 0 and not err.answered and conn.got_nothing
+                        and not isinstance(err, UpstreamTimeout)):
+                    continue
+                raise
+            except BaseException:
+                conn.abort()  # cancelled while waiting: the engine must see us go
+                raise
+        raise AssertionError("unreachable")
+
+    async def _connection(self, host: str, port: int) -> tuple[_Connection, bool]:
+        idle = self._idle.get((host, port))
+        while idle:
+            conn = idle.pop()
+            if conn.usable():
+                return conn, True
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, (host, port)), host, port)
+        except TimeoutError:
+            raise ConnectError(f"no connection to {host}:{port} within "
+                               f"{self.connect_timeout_s:g} s", timed_out=True) from None
+        except OSError as err:
+            raise ConnectError(f"cannot connect to {host}:{port}: "
+                               f"{err.strerror or err}") from None
+        return conn, False
+
+    def _put_back(self, conn: _Connection) -> None:
+        if self._closed:
+            conn.abort()
+            return
+        idle = self._idle.setdefault(conn.address, collections.deque())
+        if len(idle) >= _MAX_IDLE:
+            conn.abort()
+        else:
+            idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.address)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().abort()
+
+
+class Answer:
+    """One answer from an engine: status and kept headers once ``Pool.post`` returns, then
+    the body with ``read()`` (whole) or ``chunk()`` (as it comes, ``b""`` at the end).
+    ``close()`` ends it early, dropping the connection so the engine learns nobody listens."""
+
+    __slots__ = ("_chunks", "_conn", "_deadline", "_done", "_error", "_first_byte_s",
+                 "_idle_s", "_last", "_queued", "_timer", "_waiter", "headers", "status")
+
+    def __init__(self, conn: _Connection, first_byte_timeout_s: float,
+                 idle_timeout_s: float | None):
+        self._conn = conn
+        self._first_byte_s = first_byte_timeout_s
+        self._idle_s = idle_timeout_s
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._queued = 0
+        self._done = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._last = 0.0
+
+    # --- read side ------------------------------------------------------------------------
+
+    async def headers_done(self) -> None:
+        if self.status:
+            return
+        self._arm(self._first_byte_s)
+        try:
+            await self._wait()
+        finally:
+            self._disarm()
+        if not self.status:
+            raise self._error or UpstreamError("the answer ended early", answered=False)
+
+    async def read(self) -> bytes:
+        """The whole body; each wait for more data under the idle limit."""
+        parts = []
+        while True:
+            chunk = await self.chunk()
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+
+    async def chunk(self) -> bytes:
+        """The body as it comes: everything received since the last call, ``b""`` once the
+        answer is complete. Raises UpstreamError when the engine breaks it off, and
+        UpstreamTimeout when it sends nothing for the idle limit."""
+        if not self._chunks and not self._done and self._error is None:
+            if self._idle_s is not None:
+                self._last = time.monotonic()
+                if self._timer is None:
+                    self._arm(self._idle_s)
+            await self._wait()
+        if self._chunks:
+            data = self._chunks.popleft() if len(self._chunks) == 1 else self._drain()
+            self._queued = 0
+            self._conn.resume()
+            return data
+        if self._error is not None:
+            raise self._error
+        self._disarm()
+        return b""
+
+    def _drain(self) -> bytes:
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        return data
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def close(self) -> None:
+        """Release the connection: back to the pool when the answer was read to its end,
+        else dropped."""
+        self._disarm()
+        self._conn.finish(self, reuse=self._done and self._error is None and not self._chunks)
+
+    # --- timers ---------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + seconds
+        self._timer = loop.call_at(self._deadline, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self._done or self._error is not None:
+            return
+        if self.status and self._idle_s is not None:
+            # Data came since the timer was set: wait out the rest of the idle period.
+            loop = asyncio.get_running_loop()
+            idle_for = time.monotonic() - self._last
+            if self._chunks or idle_for < self._idle_s:
+                self._timer = loop.call_at(loop.time() + self._idle_s - idle_for,
+                                           self._expired)
+                return
+        self._fail(UpstreamTimeout("idle" if self.status else "first_byte",
+                                   answered=bool(self.status)))
+        self._conn.abort()
+
+    # --- fed by the connection ------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is None and not self._done:
+            self._error = error
+            self._wake()
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.headers = headers
+        self._wake()
+
+    def _body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._last = time.monotonic()
+        self._queued += len(data)
+        if self._queued > _HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def _complete(self) -> None:
+        self._done = True
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine, parsing its answers with httptools."""
+
+    def __init__(self, pool: Pool, address: tuple[str, int]):
+        self.pool = pool
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.answer: Answer | None = None
+        self.got_nothing = True
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._parser = httptools.HttpResponseParser(self)
+        self._lost = False
+        self._paused = False
+        self._framed = False  # the answer says where its body ends
+        self._keep_alive = False
+        self._until_eof = False
+
+    def usable(self) -> bool:
+        return not self._lost and self.transport is not None and \
+            not self.transport.is_closing()
+
+    def start(self, answer: Answer, payload: bytes) -> None:
+        self.answer = answer
+        self.got_nothing = True
+        self._headers = []
+        self._framed = False
+        self.transport.write(payload)
+
+    def finish(self, answer: Answer, reuse: bool) -> None:
+        if self.answer is not answer:
+            return
+        self.answer = None
+        if reuse and self._keep_alive and self.usable():
+            self.pool._put_back(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self._lost = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and not self._lost:
+            self._paused = False
+            self.transport.resume_reading()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_nothing = False
+        if self.answer is None:
+            # Nothing was asked: an engine talking out of turn is not to be trusted.
+            self.abort()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self.answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
+                                            answered=bool(self.answer.status)))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self.pool._forget(self)
+        answer = self.answer
+        if answer is None:
+            return
+        if self._until_eof and answer.status:
+            answer._complete()
+        else:
+            answer._fail(UpstreamError("the engine closed the connection"
+                                       + (" mid-answer" if answer.status else
+                                          " before answering"),
+                                       answered=bool(answer.status)))
+
+    # httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in KEPT_HEADERS:
+            self._headers.append((name, value))
+        elif name == b"content-length" or name == b"transfer-encoding":
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        # Read here: after the message, llhttp no longer says.
+        self._keep_alive = parser.should_keep_alive()
+        # Neither a length nor chunks: the body runs to the end of the connection.
+        self._until_eof = not self._framed
+        self.answer._head(parser.get_status_code(), self._headers)
+
+    def on_body(self, body: bytes) -> None:
+        self.answer._body(body)
+
+    def on_message_complete(self) -> None:
+        self.answer._complete()

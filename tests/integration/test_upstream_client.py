@@ -1,0 +1,301 @@
+"""The gateway's upstream HTTP client against real sockets on loopback: keep-alive reuse,
+bodies framed every way HTTP frames them, timeouts, a connection the engine closed while
+pooled, cancellation and flow control."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+from llmgw.server.openai.upstream import (
+    ConnectError,
+    Pool,
+    UpstreamError,
+    UpstreamTimeout,
+)
+
+OK = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-other: dropped\r\n"
+      b"content-length: 11\r\n\r\n{\"ok\":true}")
+
+
+class Engine:
+    """A raw asyncio server whose answer to each request is the test's to write."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()  # set when a connection's reader sees EOF
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Engine:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 2)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                self.requests.append(head + await reader.readexactly(length))
+                if await self.answer(reader, writer, len(self.requests)) is False:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed.set()
+        finally:
+            writer.close()
+
+
+async def _ok(reader, writer, n):
+    writer.write(OK)
+    await writer.drain()
+
+
+async def _post(pool: Pool, port: int, *, first_byte_s: float = 5, idle_s: float | None = 5,
+                body: bytes = b'{"model":"m"}'):
+    return await pool.post("127.0.0.1", port, "/v1/chat/completions", body,
+                           b"application/json", first_byte_timeout_s=first_byte_s,
+                           idle_timeout_s=idle_s)
+
+
+async def test_requests_reuse_one_keep_alive_connection_and_keep_only_known_headers():
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(_ok) as engine:
+        for _ in range(5):
+            answer = await _post(pool, engine.port)
+            assert (answer.status, await answer.read()) == (200, b'{"ok":true}')
+            answer.close()
+        assert engine.connections == 1
+        assert answer.headers == [(b"content-type", b"application/json")]
+        head = engine.requests[0].split(b"\r\n\r\n")[0].lower()
+        assert b"post /v1/chat/completions http/1.1" in head
+        assert b"content-length: 13" in head and b"accept: application/json" in head
+        assert engine.requests[0].endswith(b'{"model":"m"}')
+    await pool.close()
+
+
+async def test_a_chunked_stream_is_read_as_it_comes():
+    release = asyncio.Event()
+
+    async def stream(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await release.wait()  # the second event only once the first was read
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stream) as engine:
+        answer = await _post(pool, engine.port)
+        assert await answer.chunk() == b"data: 1\n\n"
+        release.set()
+        rest = b""
+        while chunk := await answer.chunk():
+            rest += chunk
+        assert rest == b"data: 2\n\n"
+        answer.close()
+        # Read to its end: the connection goes back to the pool and is used again.
+        release.clear()
+        release.set()
+        again = await _post(pool, engine.port)
+        assert await again.read() == b"data: 1\n\ndata: 2\n\n"
+        again.close()
+        assert engine.connections == 1
+    await pool.close()
+
+
+async def test_a_body_without_length_runs_to_the_end_of_the_connection():
+    async def until_eof(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\n\r\n{\"whole\":")
+        await writer.drain()
+        writer.write(b"1}")
+        await writer.drain()
+        return False
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(until_eof) as engine:
+        for _ in range(2):
+            answer = await _post(pool, engine.port)
+            assert await answer.read() == b'{"whole":1}'
+            answer.close()
+        assert engine.connections == 2  # never reused
+    await pool.close()
+
+
+async def test_a_pooled_connection_the_engine_dropped_is_replaced_once():
+    async def first_then_drop(reader, writer, n):
+        if n == 2:
+            return False  # reads the second request, closes without answering
+        writer.write(OK)
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(first_then_drop) as engine:
+        answer = await _post(pool, engine.port)
+        await answer.read()
+        answer.close()
+        answer = await _post(pool, engine.port)  # request 2 is dropped, 3 is answered
+        assert await answer.read() == b'{"ok":true}'
+        answer.close()
+        assert (engine.connections, len(engine.requests)) == (2, 3)
+    await pool.close()
+
+
+async def test_a_fresh_connection_closed_without_an_answer_is_an_unanswered_error():
+    async def drop(reader, writer, n):
+        return False
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(drop) as engine:
+        with pytest.raises(UpstreamError, match="before answering") as caught:
+            await _post(pool, engine.port)
+        assert caught.value.answered is False
+        assert engine.connections == 1  # a fresh connection is not tried twice
+    await pool.close()
+
+
+async def test_no_first_byte_in_time_drops_the_connection():
+    async def silent(reader, writer, n):
+        await reader.read()  # until the client goes
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(silent) as engine:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(UpstreamTimeout) as caught:
+            await _post(pool, engine.port, first_byte_s=0.2)
+        assert caught.value.phase == "first_byte" and not caught.value.answered
+        assert 0.15 <= loop.time() - began < 2
+        await asyncio.wait_for(engine.closed.wait(), 2)
+    await pool.close()
+
+
+async def test_a_stream_idle_too_long_times_out_between_chunks():
+    async def stall(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")
+        await writer.drain()
+        await reader.read()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stall) as engine:
+        answer = await _post(pool, engine.port, idle_s=0.3)
+        assert await answer.chunk() == b"one"
+        with pytest.raises(UpstreamTimeout) as caught:
+            await answer.chunk()
+        assert caught.value.phase == "idle" and caught.value.answered
+        answer.close()
+        await asyncio.wait_for(engine.closed.wait(), 2)
+    await pool.close()
+
+
+async def test_steady_chunks_within_the_idle_limit_never_time_out():
+    async def steady(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):  # 8 x 0.1 s: longer in all than the idle limit
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(steady) as engine:
+        answer = await _post(pool, engine.port, idle_s=0.35)
+        assert await answer.read() == b"x" * 8
+        answer.close()
+    await pool.close()
+
+
+async def test_cancelling_a_request_closes_its_connection():
+    async def silent(reader, writer, n):
+        await reader.read()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(silent) as engine:
+        task = asyncio.create_task(_post(pool, engine.port))
+        while not engine.requests:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(engine.closed.wait(), 1)
+    await pool.close()
+
+
+async def test_closing_an_answer_before_its_end_drops_the_connection():
+    async def endless(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(2000):  # bounded: the client leaves long before
+            writer.write(b"5\r\ntoken\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.005)
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(endless) as engine:
+        answer = await _post(pool, engine.port)
+        assert (await answer.chunk()).startswith(b"token")
+        answer.close()
+        await asyncio.wait_for(engine.closed.wait(), 1)
+        assert not any(pool._idle.values())
+    await pool.close()
+
+
+async def test_a_client_slower_than_its_engine_pauses_reading_and_loses_nothing():
+    size = 4 * 2**20
+
+    async def flood(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for i in range(size // 2**16):
+            writer.write(bytes([i % 251]) * 2**16)
+            await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(flood) as engine:
+        answer = await _post(pool, engine.port)
+        conn = answer._conn
+        while not conn._paused:  # nothing read yet: the engine fills the buffer
+            await asyncio.sleep(0.01)
+        assert answer._queued <= 2 * 2**20  # bounded near the high-water mark
+        got = bytearray()
+        while chunk := await answer.chunk():
+            got += chunk
+        assert len(got) == size
+        assert all(got[i * 2**16] == i % 251 for i in range(size // 2**16))
+        answer.close()
+    await pool.close()
+
+
+async def test_an_answer_that_is_not_http_is_an_error():
+    async def garbage(reader, writer, n):
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(garbage) as engine:
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await _post(pool, engine.port)
+    await pool.close()
+
+
+async def test_a_refused_connection_says_where():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = Pool(connect_timeout_s=2)
+    with pytest.raises(ConnectError, match=f"cannot connect to 127.0.0.1:{port}") as caught:
+        await _post(pool, port)
+    assert not caught.value.timed_out and not caught.value.answered
+    await pool.close()
