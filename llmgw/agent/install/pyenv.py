@@ -1,0 +1,294 @@
+"""Python engines (vLLM, SGLang, ComfyUI's dependencies): a uv-built environment from
+pinned, hashed requirements, proved to import before it is used.
+
+``<root>/<name>/<version>`` exists only once every package matched the sha256 the
+requirements give (``--require-hashes``), the resolved list was kept beside it
+(``llmgw-resolved.txt``) and the engine's import check ran with the environment's own
+Python. Until then it is a dotted scratch directory under ``root``, removed whatever the
+outcome. The environment is made relocatable (``uv venv --relocatable``) because it is
+renamed into place after it is built.
+
+The requirements text may name PyPI packages and nothing else: a URL, a path, a VCS
+reference, an editable install or an index option is refused before uv runs, so the only
+code installed is what the index llmgw chose serves under the hashes it pinned. uv itself
+reads no configuration file and no ``UV_*``/``PIP_*`` variable of the agent's environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from uv import find_uv_bin
+
+from llmgw.agent.install.archives import MARKER
+from llmgw.agent.install.ospkg import CommandResult, run_command
+from llmgw.agent.install.pypi import InstallError
+from llmgw.agent.weights.manifest import size_text
+from llmgw.core.names import NameRuleError, check_element
+
+REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
+RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
+_SCRATCH_PREFIX = ".pyenv@"  # '@' is in no valid name, so a sweep finds only its own
+VENV_TIMEOUT_S = 300.0
+INSTALL_TIMEOUT_S = 3600.0  # vLLM is several GB of wheels
+IMPORT_TIMEOUT_S = 600.0  # importing torch and touching the GPU the first time is slow
+
+_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+_PINNED = re.compile(rf"({_NAME})\s*(\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*==\s*"
+                     r"([A-Za-z0-9.+!_-]+)\s*(;.*)?")
+_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+_OPTIONS_START = re.compile(r"(?:^|\s)-")
+_COMMENT = re.compile(r"(?:^|\s)#.*$")
+_INDEX_OPTIONS = ("-i", "--index-url", "--extra-index-url", "-f", "--find-links",
+                  "--no-index", "--trusted-host", "--index")
+
+
+def _checked(name: str, version: str) -> tuple[str, str]:
+    try:
+        return check_element(name, "engine name"), check_element(version, "engine version")
+    except NameRuleError as err:
+        raise InstallError(str(err)) from None
+
+
+def installed_environment(root: Path, name: str, version: str) -> Path | None:
+    """``root/name/version`` when an environment was built and checked there, else None."""
+    name, version = _checked(name, version)
+    path = root / name / version
+    return path if (path / MARKER).is_file() else None
+
+
+# --- the requirements text ---------------------------------------------------------------
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) per requirement, continuations joined, comments gone."""
+    out: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = _COMMENT.sub("", raw)
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        joined = (pending + line).strip()
+        pending = ""
+        if joined:
+            out.append((start, joined))
+    if pending.strip():
+        out.append((start, pending.strip()))
+    return out
+
+
+def _refusal(spec: str, options: str) -> str | None:
+    """Why one requirement line is not a plain, pinned, hashed package from the index."""
+    if not spec:
+        option = options.split()[0].split("=")[0]
+        if option in ("-e", "--editable"):
+            return "is an editable install; only packages from the index are taken"
+        if option in ("-r", "--requirement", "-c", "--constraint"):
+            return "includes another file; give every package in this text"
+        if option in _INDEX_OPTIONS:
+            return "names an index or a place to find packages; the index is llmgw's to choose"
+        return f"is an option ({option}); only packages with --hash options are taken"
+    if "://" in spec or re.match(r"(git|hg|svn|bzr)\+", spec):
+        return "names a URL; only packages from the index are taken"
+    if re.match(rf"{_NAME}\s*(\[[^\]]*\])?\s*@", spec):
+        return "is a direct reference (name @ URL); only packages from the index are taken"
+    if spec.startswith((".", "/", "~")) or "/" in spec.split(";")[0] or "\\" in spec \
+            or spec.endswith((".whl", ".tar.gz", ".zip")):
+        return "is a path; only packages from the index are taken"
+    if not _PINNED.fullmatch(spec):
+        return "is not pinned to one version with =="
+    words = options.replace("=", " ").split()
+    hashes = [w for w in words if w != "--hash"]
+    if any(w.startswith("-") for w in hashes):
+        bad = next(w for w in hashes if w.startswith("-"))
+        return f"has the option {bad}; only --hash is taken after a package"
+    if not hashes:
+        return "has no --hash=sha256:…; every package needs the sha256 of its files"
+    if not all(_HASH.fullmatch(h) for h in hashes) or words.count("--hash") != len(hashes):
+        return "has a --hash that is not sha256:<64 hex digits>"
+    return None
+
+
+def check_requirements(text: str) -> list[str]:
+    """The packages (``name==version``) of a pinned, hashed requirements text; InstallError
+    naming the first line that is anything else."""
+    packages: list[str] = []
+    for number, line in _logical_lines(text):
+        cut = _OPTIONS_START.search(line)
+        spec = line[:cut.start()].strip() if cut else line
+        options = line[cut.start():].strip() if cut else ""
+        why = _refusal(spec, options)
+        if why:
+            shown = line if len(line) <= 160 else line[:157] + "..."
+            raise InstallError(f"requirements line {number} ({shown}) {why}")
+        match = _PINNED.fullmatch(spec)
+        assert match is not None
+        packages.append(f"{match[1]}=={match[3]}")
+    if not packages:
+        raise InstallError("the requirements name no packages")
+    return packages
+
+
+# --- building ----------------------------------------------------------------------------
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _uv_env(cache: Path) -> dict[str, str]:
+    """The agent's environment without anything that would steer uv or pip elsewhere."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("UV_", "PIP_")) and k not in (
+               "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "PYTHONHOME")}
+    return {**env, "UV_CACHE_DIR": str(cache), "UV_NO_CONFIG": "1", "NO_COLOR": "1",
+            "UV_NO_PROGRESS": "1"}
+
+
+def _hash_mismatch(lines: Sequence[str]) -> str | None:
+    """uv's "Hash mismatch" report in one sentence."""
+    found = next((m for m in (re.search(r"Hash mismatch for `([^`]+)`", line)
+                              for line in lines) if m), None)
+    if found is None:
+        return None
+    expected: list[str] = []
+    computed: list[str] = []
+    into: list[str] | None = None
+    for line in lines:
+        word = line.strip()
+        if word == "Expected:":
+            into = expected
+        elif word == "Computed:":
+            into = computed
+        elif into is not None and word.startswith(("sha256:", "sha384:", "sha512:")):
+            into.append(word)
+    return (f"{found[1]}: the file the index served has {' or '.join(computed) or '?'}, not "
+            f"{' or '.join(expected) or '?'} as the requirements pin; it was changed after "
+            "the hashes were taken (on the index or on the way), and nothing was installed")
+
+
+def _failure(what: str, result: CommandResult) -> InstallError:
+    readable = _hash_mismatch(result.tail)
+    if readable:
+        return InstallError(readable)
+    # uv's own report starts at "error:"; what comes before is progress.
+    lines = list(result.tail)
+    start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
+    said = "\n".join(lines[start:] if start is not None else lines[-12:]).strip()
+    return InstallError(f"{what} failed (exit {result.returncode}): {said}")
+
+
+async def build_environment(*, root: Path, name: str, version: str, requirements: str,
+                            index_url: str, python: str, exclude_newer: str | None,
+                            import_check: str, status: Callable[[str], None],
+                            min_free_bytes: int, extra_index_urls: Sequence[str] = (),
+                            cache_dir: Path | None = None) -> Path:
+    """Build the environment ``name`` ``version`` into ``root/name/version`` and return it;
+    an environment already built there is returned as it is. ``requirements`` is pinned
+    and hashed (``uv pip compile --generate-hashes``); ``index_url`` (and
+    ``extra_index_urls``, e.g. PyTorch's for a CUDA build of torch) is where packages come
+    from, as the index stood at ``exclude_newer``; ``import_check`` is Python code run with
+    the environment's interpreter (it may compute on the GPU). uv's cache is
+    ``cache_dir``, by default ``root/.uv-cache`` (same filesystem: uv hard-links from it).
+    Every failure raises InstallError in words for the operator, and leaves nothing in
+    place."""
+    name, version = _checked(name, version)
+    packages = check_requirements(requirements)
+    existing = installed_environment(root, name, version)
+    if existing is not None:
+        return existing
+    try:
+        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+        free = await asyncio.to_thread(_free_bytes, root)
+    except OSError as err:
+        raise InstallError(f"installing {name} {version}: cannot use {root}: "
+                           f"{err.strerror}") from None
+    if free < min_free_bytes:
+        raise InstallError(f"{name} needs {size_text(min_free_bytes)} free in {root}; "
+                           f"{size_text(free)} is")
+    cache = cache_dir or root / ".uv-cache"
+    env = _uv_env(cache)
+    uv = find_uv_bin()
+    await asyncio.to_thread(_sweep, root, name, version)
+    work = root / f"{_SCRATCH_PREFIX}{name}@{version}@{secrets.token_hex(4)}"
+    scratch_python = str(work / "bin" / "python")
+    target = root / name / version
+    try:
+        status(f"creating a Python {python} environment for {name} {version}")
+        result = await run_command(
+            [uv, "venv", "--no-config", "--relocatable", "--python", python, str(work)],
+            env=env, timeout_s=VENV_TIMEOUT_S)
+        if result.returncode != 0:
+            raise _failure(f"creating the Python {python} environment", result)
+        await asyncio.to_thread((work / REQUIREMENTS).write_text, requirements)
+
+        status(f"installing {len(packages)} packages for {name} {version}")
+        argv = [uv, "pip", "install", "--no-config", "--python", scratch_python,
+                "--require-hashes", "--index-url", index_url]
+        for extra in extra_index_urls:
+            argv += ["--extra-index-url", extra]
+        if exclude_newer:
+            argv += ["--exclude-newer", exclude_newer]
+        result = await run_command([*argv, "-r", str(work / REQUIREMENTS)], env=env,
+                                   timeout_s=INSTALL_TIMEOUT_S)
+        if result.returncode != 0:
+            raise _failure(f"installing {name} {version}'s packages", result)
+        result = await run_command(
+            [uv, "pip", "freeze", "--no-config", "--python", scratch_python], env=env,
+            timeout_s=VENV_TIMEOUT_S, keep_lines=100_000)
+        if result.returncode != 0:
+            raise _failure(f"listing {name} {version}'s packages", result)
+        resolved = [line for line in result.tail if "==" in line]
+        await asyncio.to_thread((work / RESOLVED).write_text, "\n".join(resolved) + "\n")
+
+        status(f"checking that {name} {version} imports")
+        check_env = {k: v for k, v in env.items() if not k.startswith("UV_")}
+        # Run from the root, so nothing beside the working directory shadows a package.
+        result = await run_command([scratch_python, "-c", import_check], env=check_env,
+                                   timeout_s=IMPORT_TIMEOUT_S, cwd=root)
+        if result.returncode != 0:
+            raise InstallError(f"{name} {version} was installed but does not import "
+                               f"(exit {result.returncode}): {result.tail_text(8)}")
+
+        marker = {"name": name, "version": version, "python": python,
+                  "index_url": index_url, "extra_index_urls": list(extra_index_urls),
+                  "exclude_newer": exclude_newer, "packages": len(resolved),
+                  "hashes": "every package matched its --hash", "import_check": import_check,
+                  "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        await asyncio.to_thread((work / MARKER).write_text, json.dumps(marker, indent=1))
+        await asyncio.to_thread(_replace, work, target, root / f"{work.name}.old")
+    except OSError as err:
+        raise InstallError(f"installing {name} {version} in {root}: "
+                           f"{err.strerror or err}") from None
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, root / f"{work.name}.old", ignore_errors=True)
+    status(f"installed {name} {version}")
+    return target
+
+
+def _sweep(root: Path, name: str, version: str) -> None:
+    """Remove what an earlier, interrupted build of this name and version left."""
+    for leftover in root.glob(f"{_SCRATCH_PREFIX}{name}@{version}@*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _replace(work: Path, target: Path, aside: Path) -> None:
+    """Rename ``work`` to ``target``; whatever was there (an unfinished environment) moves
+    to ``aside``, which the caller removes."""
+    target.parent.mkdir(exist_ok=True)
+    if os.path.lexists(target):
+        os.rename(target, aside)
+    os.rename(work, target)
