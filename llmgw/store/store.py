@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import (
 from llmgw.core.usage import check_limit
 from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
+from llmgw.store.pki import PkiMixin
 from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel, StoreError
 from llmgw.store.tables import ApiKeyRow, CounterRow, ModelRow, NodeRow, SettingRow
 from llmgw.store.usage import UsageMixin
@@ -135,7 +136,7 @@ def _words(exc: BaseException) -> str:
     return str(inner).strip() or type(inner).__name__
 
 
-class Store(AccountsMixin, UsageMixin):
+class Store(AccountsMixin, UsageMixin, PkiMixin):
     """Async access to the store; one instance per process, shared by all tasks."""
 
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:

@@ -38,6 +38,7 @@ from llmgw.store import (
     sqlite_url,
 )
 from llmgw.store.lock import hold_state_lock
+from llmgw.store.pki import JoinTokenRecord, NodeCertRecord
 from llmgw.store.tables import Base
 from tests.pg import UNREACHABLE, create_database, drop_database, postgres_unavailable
 
@@ -81,6 +82,12 @@ async def populate(store: Store) -> None:
             state_changed_at=T0 + timedelta(minutes=1),
         )
     )
+    await store.add_join_token(JoinTokenRecord(
+        token_hash="jt1", node="n3", created_at=T0, expires_at=T0 + timedelta(hours=1),
+        created_by="alice"))
+    await store.redeem_join_token("jt1", NodeCertRecord(
+        serial="123456789012345678901234567890", node="n3", not_before=T0,
+        not_after=T0 + timedelta(days=7)), T0 + timedelta(minutes=5, microseconds=9))
     await store.put_setting("null", None)
     await store.put_setting("list", [1, 2.5, "x", {"k": None}])
     await store.put_setting("text", "plain")
@@ -207,6 +214,7 @@ async def make_pg() -> AsyncIterator[Callable[[], Awaitable[str]]]:
 HOLDER = """
 import sys
 from llmgw.store.lock import hold_state_lock
+from llmgw.store.pki import JoinTokenRecord, NodeCertRecord
 with hold_state_lock(*sys.argv[1:]):
     print("held", flush=True)
     sys.stdin.read()
