@@ -46,7 +46,9 @@ _SCRATCH_PREFIX = ".install@"  # '@' is in no valid name, so one install's sweep
 _MAX_OUTPUT = 2000
 
 
-def _checked(name: str, version: str) -> tuple[str, str]:
+def checked_name_version(name: str, version: str) -> tuple[str, str]:
+    """The engine's name and version as given, once each is a safe single path element
+    (InstallError otherwise): checked before any path is built from them."""
     try:
         return check_element(name, "engine name"), check_element(version, "engine version")
     except NameRuleError as err:
@@ -54,8 +56,9 @@ def _checked(name: str, version: str) -> tuple[str, str]:
 
 
 def installed_archive(root: Path, name: str, version: str) -> Path | None:
-    """``root/name/version`` when an install finished there, else None."""
-    name, version = _checked(name, version)
+    """``root/name/version`` when an install (an archive, or a Python environment) finished
+    there, else None."""
+    name, version = checked_name_version(name, version)
     path = root / name / version
     return path if (path / MARKER).is_file() else None
 
@@ -170,7 +173,7 @@ async def install_archive(session: aiohttp.ClientSession, *, url: str, sha256: s
     step ("downloading llama-b6000-bin-ubuntu-x64.tar.gz (16.0 MB)", "unpacking …",
     "checking the libraries llama-server needs", "running llama-server --version",
     "installed …"); a failure raises InstallError in words for the operator."""
-    name, version = _checked(name, version)
+    name, version = checked_name_version(name, version)
     try:
         check_element(binary, "engine binary")
     except NameRuleError as err:

@@ -28,11 +28,10 @@ from pathlib import Path
 
 from uv import find_uv_bin
 
-from llmgw.agent.install.archives import MARKER
+from llmgw.agent.install.archives import MARKER, checked_name_version, installed_archive
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
 from llmgw.agent.weights.manifest import size_text
-from llmgw.core.names import NameRuleError, check_element
 
 REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
 RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
@@ -51,18 +50,8 @@ _INDEX_OPTIONS = ("-i", "--index-url", "--extra-index-url", "-f", "--find-links"
                   "--no-index", "--trusted-host", "--index")
 
 
-def _checked(name: str, version: str) -> tuple[str, str]:
-    try:
-        return check_element(name, "engine name"), check_element(version, "engine version")
-    except NameRuleError as err:
-        raise InstallError(str(err)) from None
-
-
-def installed_environment(root: Path, name: str, version: str) -> Path | None:
-    """``root/name/version`` when an environment was built and checked there, else None."""
-    name, version = _checked(name, version)
-    path = root / name / version
-    return path if (path / MARKER).is_file() else None
+# An environment is marked like an archive install, and found the same way.
+installed_environment = installed_archive
 
 
 # --- the requirements text ---------------------------------------------------------------
@@ -204,7 +193,7 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
     ``cache_dir``, by default ``root/.uv-cache`` (same filesystem: uv hard-links from it).
     Every failure raises InstallError in words for the operator, and leaves nothing in
     place."""
-    name, version = _checked(name, version)
+    name, version = checked_name_version(name, version)
     packages = check_requirements(requirements)
     existing = installed_environment(root, name, version)
     if existing is not None:
