@@ -29,6 +29,7 @@ class Engine:
         self.connections = 0
         self.requests: list[bytes] = []
         self.closed = asyncio.Event()  # set when a connection's reader sees EOF
+        self.requested = asyncio.Event()  # set when a request was read
         self.server: asyncio.Server | None = None
 
     async def __aenter__(self) -> Engine:
@@ -48,6 +49,7 @@ class Engine:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 self.requests.append(head + await reader.readexactly(length))
+                self.requested.set()
                 if await self.answer(reader, writer, len(self.requests)) is False:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -225,8 +227,7 @@ async def test_cancelling_a_request_closes_its_connection():
     pool = Pool(connect_timeout_s=2)
     async with Engine(silent) as engine:
         task = asyncio.create_task(_post(pool, engine.port))
-        while not engine.requests:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(engine.requested.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -265,8 +266,11 @@ async def test_a_client_slower_than_its_engine_pauses_reading_and_loses_nothing(
     async with Engine(flood) as engine:
         answer = await _post(pool, engine.port)
         conn = answer._conn
-        while not conn._paused:  # nothing read yet: the engine fills the buffer
+        for _ in range(500):  # nothing read yet: the engine fills the buffer (5 s at most)
+            if conn._paused:
+                break
             await asyncio.sleep(0.01)
+        assert conn._paused
         assert answer._queued <= 2 * 2**20  # bounded near the high-water mark
         got = bytearray()
         while chunk := await answer.chunk():
@@ -299,3 +303,32 @@ async def test_a_refused_connection_says_where():
         await _post(pool, port)
     assert not caught.value.timed_out and not caught.value.answered
     await pool.close()
+
+
+async def test_an_ipv6_engine_gets_a_bracketed_host_header():
+    server = await asyncio.start_server(lambda r, w: None, "::1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+    async def answer(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        seen.append(head)
+        writer.write(OK)
+        await writer.drain()
+        writer.close()
+
+    seen: list[bytes] = []
+    server = await asyncio.start_server(answer, "::1", port)
+    pool = Pool(connect_timeout_s=2)
+    try:
+        reply = await pool.post("::1", port, "/v1/x", b"{}", b"application/json",
+                                first_byte_timeout_s=5, idle_timeout_s=5)
+        assert await reply.read() == b'{"ok":true}'
+        reply.close()
+        assert f"host: [::1]:{port}\r\n".encode() in seen[0]
+    finally:
+        await pool.close()
+        server.close()
+        await server.wait_closed()

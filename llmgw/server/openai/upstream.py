@@ -68,8 +68,9 @@ class Pool:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, each read
         under ``idle_timeout_s`` when given."""
+        name = f"[{host}]".encode() if ":" in host else host.encode("idna")  # IPv6 in []
         head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
-                         host.encode("idna"), b":", str(port).encode(),
+                         name, b":", str(port).encode(),
                          b"\r\ncontent-type: application/json\r\naccept: ", accept,
                          b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n"))
         payload = head + body
