@@ -32,6 +32,9 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 class Listen(_Config):
     host: str = "127.0.0.1"
     port: Port = 8080
+    # Without a tls block the server speaks plain HTTP: passwords, keys and the agent
+    # stream in the clear. Allowed on loopback; anywhere else only when set on purpose.
+    allow_plain_http: bool = False
 
 
 class StoreSettings(_Config):
@@ -158,6 +161,63 @@ class MetricsSettings(_Config):
     token_file: str | None = None
 
 
+InstallableEngine = Literal["llama.cpp", "vllm", "sglang", "comfyui"]
+
+
+class EngineRelease(_Config):
+    """One engine every node installs (see docs/engines.md). Empty values mean the
+    defaults this release was checked against."""
+
+    # "" is the version llmgw was checked against (llama.cpp; vLLM); SGLang and ComfyUI
+    # need one named.
+    version: str = ""
+    # Where archives come from: <release_url>/<version>/<file>. "" is the publisher's
+    # (GitHub's releases), or engine_mirror's when that is set.
+    release_url: str = ""
+    # sha256 per archive file name, pinned by the operator; otherwise the publisher's
+    # digest (GitHub's), or the mirror's SHA256SUMS.
+    sha256: dict[str, str] = {}
+    # Python engines: the package index, and resolve as it stood on this date (or time).
+    index_url: str = ""
+    exclude_newer: str = ""
+
+
+class EngineOverride(_Config):
+    """Nodes picked by GPU class, id or labels (every one given must match) get their own
+    engine versions, builds (auto, a build name, or none) or disabled engines; a later
+    override wins over an earlier one."""
+
+    gpu_class: str | None = None
+    nodes: list[str] = []
+    labels: dict[str, str] = {}
+    versions: dict[InstallableEngine, str] = {}
+    build: dict[InstallableEngine, str] = {}
+    disable: list[InstallableEngine] = []
+
+
+def _default_engines() -> dict[str, EngineRelease]:
+    return {"llama.cpp": EngineRelease()}
+
+
+class ServerTls(_Config):
+    """The cluster's identity: its CA, the server's certificate (``llmgw server init``
+    writes all four files), and the agent stream's own mTLS listener."""
+
+    ca_file: str
+    # Signs each node's certificate at join and renewal; readable by the server alone.
+    ca_key_file: str
+    cert_file: str
+    key_file: str
+    # Node certificates live this long; agents renew them when a third is left.
+    node_cert_days: PositiveSeconds = 7.0
+    agent_listen: Listen = msgspec.field(default_factory=lambda: Listen(host="0.0.0.0",
+                                                                        port=8443))
+    # The URLs nodes reach this cluster's API at, every server's (https://cp1:8080, ...):
+    # the join command names them, and a joining node is given the same hosts on
+    # agent_listen.port as its failover list. Empty: the URL the admin's request came to.
+    public_urls: list[str] = []
+
+
 class ServerConfig(_Config):
     listen: Listen = msgspec.field(default_factory=Listen)
     gateway: Gateway = msgspec.field(default_factory=Gateway)
@@ -168,6 +228,14 @@ class ServerConfig(_Config):
     nodes: NodeTimeouts = msgspec.field(default_factory=NodeTimeouts)
     controller: Controller = msgspec.field(default_factory=Controller)
     models: list[Model] = []
+    # Absent: no CA, no agent-stream mTLS listener, no node onboarding.
+    tls: ServerTls | None = None
+    # Engines every node installs; an empty mapping installs none.
+    engines: dict[InstallableEngine, EngineRelease] = msgspec.field(
+        default_factory=_default_engines)
+    # An offline mirror: <engine_mirror>/<engine>/<version>/<file>, with SHA256SUMS beside.
+    engine_mirror: str | None = None
+    engine_overrides: list[EngineOverride] = []
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
@@ -236,10 +304,17 @@ class AgentConfig(_Config):
     fabric: str | None = None
     labels: dict[str, str] = {}
     engines: dict[str, EnginePath] = {}
+    # Where the agent installs engines; "" is <state_dir>/engines.
+    engines_dir: str = ""
+    # Install the OS packages an engine build needs (libgomp…) with the machine's package
+    # manager; false leaves that to the operator (ldd then names what is missing).
+    install_os_packages: bool = True
     # Engines this node must never run, even if installed (`--disable-engine` at join).
     disable_engines: list[str] = []
     weights: Weights = msgspec.field(default_factory=Weights)
     tls: AgentTls | None = None
+    # A plain http:// control plane off loopback: refused unless set on purpose.
+    allow_plain_http: bool = False
     shard_health: ShardHealth = msgspec.field(default_factory=ShardHealth)
     # How often the agent looks at the node again (engines, RAM, GPUs, weights) and
     # sends its inventory if something changed.

@@ -134,6 +134,8 @@ class Register(_Struct, tag="register", tag_field="type"):
     ports_busy: list[int] = []
     protocol: int = PROTOCOL_VERSION
     agent_version: str = ""
+    # Engines this agent knows how to install; None (an older agent) means llama.cpp only.
+    installable_engines: list[str] | None = None
 
 
 class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
@@ -163,6 +165,14 @@ class ShardStatus(_Struct, tag="shard_status", tag_field="type"):
     detail: str = ""
     exit_code: int | None = None
     output_tail: list[str] = []
+
+
+class RenewCertificate(_Struct, tag="renew_certificate", tag_field="type"):
+    """The node's certificate has less than a third of its lifetime left: a CSR (PEM),
+    signed by the node's key, for the server to sign on the mTLS stream. The new
+    certificate names the stream's node, whatever the CSR says."""
+
+    csr: str
 
 
 # --- down: server -> agent ----------------------------------------------------------------
@@ -221,11 +231,51 @@ class StopShard(_Struct, tag="stop_shard", tag_field="type"):
     reason: str = ""
 
 
-Up = Register | Heartbeat | InventoryUpdate | ShardStatus
-Down = Welcome | StartShard | StopShard
+class EngineWanted(_Struct):
+    """One engine the control plane wants on this node (see core.desired_engines).
+    Archives are at ``<release_url>/<version>/<file>``; ``digests_url`` is where their
+    sha256 come from (a SHA256SUMS file, or GitHub's release JSON), unless ``sha256`` pins
+    a file's."""
 
-_UP_TAGS = frozenset({"register", "heartbeat", "inventory", "shard_status"})
-_DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard"})
+    name: str
+    version: str
+    build: str = "auto"  # auto, or the name of one build
+    release_url: str = ""
+    digests_url: str = ""
+    sha256: dict[str, str] = {}
+    index_url: str = ""
+    exclude_newer: str = ""
+
+
+class InstallEngines(_Struct, tag="install_engines", tag_field="type"):
+    """The whole list of engines the node should have; engines it installed that are not
+    on it are no longer reported."""
+
+    engines: list[EngineWanted] = []
+
+
+class Certificate(_Struct, tag="certificate", tag_field="type"):
+    """The answer to a RenewCertificate: the node's new certificate and the CA (PEM), for
+    the agent's next connection."""
+
+    cert: str
+    ca: str
+
+
+class CertificateRefused(_Struct, tag="certificate_refused", tag_field="type"):
+    """A RenewCertificate the server would not sign, and why; the agent asks again later."""
+
+    reason: str
+
+
+Up = Register | Heartbeat | InventoryUpdate | ShardStatus | RenewCertificate
+Down = (Welcome | StartShard | StopShard | Certificate | CertificateRefused
+        | InstallEngines)
+
+_UP_TAGS = frozenset({"register", "heartbeat", "inventory", "shard_status",
+                      "renew_certificate"})
+_DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard", "certificate",
+                        "certificate_refused", "install_engines"})
 
 _encoder = msgspec.msgpack.Encoder()
 _up_decoder = msgspec.msgpack.Decoder(Up)

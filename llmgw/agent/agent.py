@@ -12,12 +12,17 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 import time
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from llmgw import __version__, wire
+from llmgw import __version__, pki, wire
 from llmgw.agent.discovery import gpus, host, infiniband
+from llmgw.agent.install.manager import EngineInstaller
 from llmgw.agent.runtime import (
     ManagerUnreachable,
     ProcessRuntime,
@@ -27,19 +32,81 @@ from llmgw.agent.runtime import (
 )
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.agent.weights import WeightsStore
-from llmgw.config import AgentConfig
+from llmgw.config import AgentConfig, AgentTls, ConfigError
 from llmgw.core.inventory import inventory_changes
+from llmgw.core.names import is_loopback_host
 from llmgw.engines import ADAPTERS, HELPER_BINARIES
+from llmgw.files import write_atomically
 
 log = logging.getLogger(__name__)
 
 STREAM_PATH = "/agent/v1/stream"
 # A session that lasted this long was healthy: the next failure starts the backoff over.
 _HEALTHY_SESSION_S = 10.0
+# How often a connected agent looks at its certificate's remaining lifetime.
+_RENEW_CHECK_S = 300.0
 
 
 class StreamRefused(Exception):
     """The control plane refused this agent; retried with backoff, and logged with why."""
+
+
+class TlsFilesUnusable(Exception):
+    """tls.* files that cannot make a TLS client; retried, since join may be writing them."""
+
+
+_HANDSHAKE_REFUSALS = {
+    401: "it asks for a node certificate: join this node (llmgw agent join URL TOKEN) or set "
+         "tls in agent.yaml",
+    403: "it refused this node's certificate (revoked, unknown to the cluster, or not a node "
+         "certificate); the server's log says which; join this node again",
+    503: "it could not check this node's certificate against its store; it retries",
+}
+
+
+def _is_tls_url(server: str) -> bool:
+    return server.startswith(("https://", "wss://"))
+
+
+def check_servers(config: AgentConfig) -> None:
+    """Refuse, before dialling, a plain-text control plane off loopback (unless
+    ``allow_plain_http``) and a TLS one without the node's certificate."""
+    for i, server in enumerate(config.servers):
+        if _is_tls_url(server):
+            if config.tls is None:
+                raise ConfigError(
+                    f"servers[{i}]: {server} is TLS, but agent.yaml has no tls block; set "
+                    "tls: {ca_file, cert_file, key_file}, or join with llmgw agent join")
+            continue
+        host = urlsplit(server).hostname or ""
+        if not (config.allow_plain_http or is_loopback_host(host)):
+            raise ConfigError(
+                f"servers[{i}]: {server} is plain text off loopback: the stream, which can "
+                "start processes on this node, would cross the network unauthenticated; use "
+                "the server's https:// address (with tls), or set allow_plain_http: true on "
+                "a network you trust")
+
+
+def client_context(tls: AgentTls) -> ssl.SSLContext:
+    """TLS to the control plane: only the cluster CA is trusted, and the node certificate
+    is presented. Read afresh for every connection, so a renewed certificate is used at
+    the next one."""
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except (OSError, ssl.SSLError) as err:
+        words = getattr(err, "strerror", None) or getattr(err, "reason", None) or str(err)
+        raise TlsFilesUnusable(f"tls files {tls.ca_file}, {tls.cert_file}, {tls.key_file}: "
+                               f"{words}; `llmgw doctor` checks them") from None
+    return context
+
+
+def renewal_due(cert_pem: bytes, now: datetime) -> bool:
+    """Whether less than a third of the certificate's lifetime is left."""
+    cert = pki.load_cert(cert_pem)
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    return cert.not_valid_after_utc - now < lifetime / 3
 
 
 def stream_url(server: str) -> str:
@@ -77,6 +144,7 @@ async def choose_runtime(config: AgentConfig) -> Runtime:
 
 class Agent:
     def __init__(self, config: AgentConfig, runtime: Runtime):
+        check_servers(config)
         self.config = config
         self.runtime = runtime
         self.node_id = config.node_id or host.hostname()
@@ -98,6 +166,8 @@ class Agent:
             weights_changed=self._probe_now.set,
             health=config.shard_health,
         )
+        self.installer = EngineInstaller(config, set_binary=self.supervisor.set_binary,
+                                         changed=self._probe_now.set)
 
     def _route(self) -> str:
         """The address the control plane reaches us at: configured, or the source address
@@ -139,6 +209,7 @@ class Agent:
             else:
                 engines.append(wire.Engine(name=name, version=e.version, state="failed",
                                            detail=f"this agent cannot launch {name}"))
+        engines += self.installer.reported()
         return wire.Inventory(
             **facts, gpus=list(found.gpus), gpu_driver=found.driver, cuda=found.cuda,
             engines=engines, engines_probed=True, fabric=self.config.fabric,
@@ -158,6 +229,7 @@ class Agent:
             node_id=self.node_id, address=self.address, inventory=inventory,
             running=self.supervisor.running(), port_range=tuple(self.config.port_range),
             ports_busy=self.ports_busy(), agent_version=__version__,
+            installable_engines=self.installer.installable(),
         )
 
     def heartbeat(self) -> wire.Heartbeat:
@@ -170,7 +242,7 @@ class Agent:
     async def run(self) -> None:
         """Serve until cancelled."""
         await asyncio.to_thread(self.weights.prepare)
-        async with self.supervisor:
+        async with self.supervisor, self.installer:
             adopted = await self.supervisor.adopt_running()
             if adopted:
                 log.info("found %d shard(s) still running", adopted)
@@ -194,6 +266,11 @@ class Agent:
                     reason = "the control plane closed the stream"
                 except StreamRefused as err:
                     reason = f"refused: {err}"
+                except aiohttp.WSServerHandshakeError as err:
+                    hint = _HANDSHAKE_REFUSALS.get(err.status, "")
+                    reason = f"refused with HTTP {err.status}" + (f": {hint}" if hint else "")
+                except TlsFilesUnusable as err:
+                    reason = str(err)
                 except host.NoRoute as err:
                     reason = str(err)
                 except (aiohttp.ClientError, OSError, TimeoutError, wire.WireError) as err:
@@ -211,9 +288,12 @@ class Agent:
 
     async def _session(self, http: aiohttp.ClientSession, server: str) -> None:
         url = stream_url(server)
+        tls = self.config.tls if _is_tls_url(url) else None
+        context = client_context(tls) if tls is not None else None
         await asyncio.to_thread(self._route)
         inventory = await asyncio.to_thread(self.inventory)
-        async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20) as ws:
+        async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20,
+                                   ssl=context if context is not None else True) as ws:
             # Queue reports from before the Register snapshot is taken, so that a shard
             # turning ready in between is reported after it, not lost.
             while not self._outbox.empty():
@@ -225,8 +305,10 @@ class Agent:
             if not isinstance(welcome, wire.Welcome):
                 raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
             log.info("registered with %s as %s (%s)", server, self.node_id, self.address)
-            sender = asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s))
-            prober = asyncio.create_task(self._probe_loop())
+            tasks = [asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s)),
+                     asyncio.create_task(self._probe_loop())]
+            if tls is not None:
+                tasks.append(asyncio.create_task(self._renew_loop(tls)))
             try:
                 while True:
                     message = wire.decode_down(await self._receive(ws))
@@ -234,13 +316,60 @@ class Agent:
                         self.supervisor.start(message)
                     elif isinstance(message, wire.StopShard):
                         self.supervisor.stop(message)
+                    elif isinstance(message, wire.InstallEngines):
+                        self.installer.want(message)
+                    elif isinstance(message, wire.Certificate) and tls is not None:
+                        await asyncio.to_thread(self._install_certificate, tls, message)
+                    elif isinstance(message, wire.CertificateRefused):
+                        log.warning("the control plane would not renew this node's "
+                                    "certificate: %s", message.reason)
                     elif message is None:
                         log.info("skipping a message type this agent does not know")
             finally:
-                for task in (sender, prober):
+                for task in tasks:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                         await task
+
+    async def _renew_loop(self, tls: AgentTls) -> None:
+        """Ask for a new certificate, on this stream, once less than a third of the
+        current one's lifetime is left: checked now and every ``_RENEW_CHECK_S``. The CSR
+        is signed with the node's key, which stays the same and never leaves the node."""
+        while True:
+            try:
+                csr = await asyncio.to_thread(self._renewal_csr, tls)
+            except (OSError, pki.PkiError) as err:
+                log.warning("cannot check this node's certificate for renewal: %s", err)
+                csr = None
+            if csr is not None:
+                log.info("less than a third of this node's certificate lifetime is left; "
+                         "asking the control plane for a new one")
+                self._send(wire.RenewCertificate(csr=csr.decode()))
+            await asyncio.sleep(_RENEW_CHECK_S)
+
+    def _renewal_csr(self, tls: AgentTls) -> bytes | None:
+        if not renewal_due(Path(tls.cert_file).read_bytes(), datetime.now(UTC)):
+            return None
+        return pki.make_csr(pki.load_key(Path(tls.key_file).read_bytes()), self.node_id)
+
+    def _install_certificate(self, tls: AgentTls, message: wire.Certificate) -> None:
+        """Check the renewed certificate as the server will, then put it in place for the
+        next connection."""
+        cert_pem = message.cert.encode()
+        try:
+            # Against the CA this node already trusts, not the one the message carries.
+            node = pki.verify_node_cert(cert_pem, Path(tls.ca_file).read_bytes(),
+                                        key=pki.load_key(Path(tls.key_file).read_bytes()))
+            if node != self.node_id:
+                raise pki.PkiError(f"it names node {node!r}, not this node ({self.node_id!r})")
+            write_atomically(Path(tls.cert_file), cert_pem)
+        except (OSError, pki.PkiError) as err:
+            log.warning("not using the renewed certificate: %s", err)
+            return
+        cert = pki.load_cert(cert_pem)
+        log.info("renewed this node's certificate: serial %x, valid until %s UTC; used from "
+                 "the next connection", cert.serial_number,
+                 f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S}")
 
     @staticmethod
     async def _receive(ws: aiohttp.ClientWebSocketResponse) -> bytes:
@@ -249,8 +378,11 @@ class Agent:
             return msg.data
         if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
                         aiohttp.WSMsgType.CLOSED):
-            if ws.close_code and ws.close_code >= 4000:
-                raise StreamRefused(f"{ws.close_code} {msg.extra or ''}".strip())
+            # The code the server sent: aiohttp's close_code turns into 1006 when our
+            # reply to its close cannot be written, which hid the refusal's reason.
+            code = msg.data if msg.type == aiohttp.WSMsgType.CLOSE else ws.close_code
+            if code and code >= 4000:
+                raise StreamRefused(f"{code} {msg.extra or ''}".strip())
             raise ConnectionResetError("stream closed")
         if msg.type == aiohttp.WSMsgType.ERROR:
             raise ConnectionResetError(f"stream error: {ws.exception()}")

@@ -63,6 +63,15 @@ class ShardSupervisor:
     def set_bind_address(self, address: str) -> None:
         self._facts = dataclasses.replace(self._facts, bind_address=address)
 
+    def set_binary(self, engine: str, path: str | None) -> None:
+        """An engine the agent installed (or no longer has): later shards launch it."""
+        binaries = dict(self._facts.binaries)
+        if path is None:
+            binaries.pop(engine, None)
+        else:
+            binaries[engine] = path
+        self._facts = dataclasses.replace(self._facts, binaries=binaries)
+
     async def __aenter__(self) -> ShardSupervisor:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         return self

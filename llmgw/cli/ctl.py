@@ -2,8 +2,13 @@
 
 Credentials, first found wins: ``--token``, ``$LLMGW_TOKEN``, then the session saved by
 ``llmgw ctl login``. The server: ``--server``, ``$LLMGW_SERVER``, the saved session's,
-then http://127.0.0.1:8080. Exit codes: 0 done, 1 refused by the server (the message says
-why), 2 bad usage, 3 the server could not be reached.
+then http://127.0.0.1:8080. An https server's certificate is checked against
+``--ca-file`` or ``$LLMGW_CA_FILE`` (the cluster CA), else the system's CAs.
+
+Every command that prints takes ``--json``: one JSON document on stdout, for scripts.
+Exit codes: 0 done, 1 refused by the server (the message says why), 2 bad usage (a wrong
+option, a file that cannot be read, no credentials), 3 the server could not be reached or
+its certificate is not trusted.
 """
 
 from __future__ import annotations
@@ -12,15 +17,20 @@ import argparse
 import getpass
 import json
 import os
+import ssl
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
+from collections import Counter
 from datetime import date
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
+from llmgw.config import _StrictLoader
 from llmgw.core.usage import duration_words
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -66,8 +76,9 @@ def call(args: argparse.Namespace, method: str, path: str, payload: dict | None 
     data = json.dumps(payload).encode() if payload is not None else None
     request = urllib.request.Request(_server(args) + path, data=data, headers=headers,
                                      method=method)
+    context = _tls_context(args) if request.type == "https" else None
     try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
+        with urllib.request.urlopen(request, timeout=30, context=context) as resp:
             return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as err:
         try:
@@ -77,8 +88,25 @@ def call(args: argparse.Namespace, method: str, path: str, payload: dict | None 
         raise CtlError(f"{method} {path}: {err.code} {message}", EXIT_REFUSED) from None
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise CtlError(
+                f"{_server(args)} sent a certificate this machine does not trust "
+                f"({reason.verify_message}): pass --ca-file with the cluster CA (the "
+                "server's tls.ca_file, ca.pem from `llmgw server init`), or set "
+                "LLMGW_CA_FILE", EXIT_UNREACHABLE) from None
         raise CtlError(f"cannot reach {_server(args)}: {reason}; is the server running, "
                        "and is --server right?", EXIT_UNREACHABLE) from None
+
+
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:
+    """The cluster CA when given, else the system's."""
+    ca_file = getattr(args, "ca_file", None) or os.environ.get("LLMGW_CA_FILE")
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as err:
+        raise CtlError(f"cannot use {ca_file} as the CA: {getattr(err, 'strerror', None) or err}"
+                       "; give the cluster CA's PEM file (the server's tls.ca_file)",
+                       EXIT_USAGE) from None
 
 
 def _password(args: argparse.Namespace, prompt: str = "password: ") -> str:
@@ -115,8 +143,11 @@ def login(args):
     os.fchmod(fd, 0o600)  # an older file may have been looser
     with os.fdopen(fd, "w") as f:
         json.dump({"server": _server(args), "token": reply["token"]}, f)
-    print(f"logged in to {_server(args)} as {reply['username']} ({reply['role']}) "
-          f"until {reply['expires_at']}")
+    # Never the token itself: it is in the session file, for ctl alone.
+    shown = {"server": _server(args), "username": reply["username"], "role": reply["role"],
+             "expires_at": reply["expires_at"], "session_file": str(path)}
+    _done(args, shown, f"logged in to {_server(args)} as {reply['username']} "
+                       f"({reply['role']}) until {reply['expires_at']}")
 
 
 def logout(args):
@@ -126,7 +157,7 @@ def logout(args):
         args.token = saved
         call(args, "POST", "/api/auth/logout", {})
     session_file().unlink(missing_ok=True)
-    print("logged out")
+    _done(args, {"logged_out": True, "session_ended": bool(saved)}, "logged out")
 
 
 LIMIT_OPTIONS = ("rpm", "tpm", "tokens_per_day", "tokens_per_month")
@@ -291,18 +322,32 @@ def nodes_list(args):
         return
     rows = []
     for n in nodes:
-        engines = ", ".join(f"{e['name']} {e['state']}" + (f" ({e['detail']})" if e['detail']
-                            and e['state'] not in ("installed", "configured") else "")
-                            for e in n["engines"])
+        engines = ", ".join(_engine_words(e) for e in n["engines"])
         disk = ", ".join(f"{d['path']} {d['free_mib'] / 1024:.0f} GiB free"
                          + (" (shared)" if d["shared"] else "")
                          for d in n.get("weights_dirs", []))
         rows.append({"node": n["id"], "state": n["state"], "address": n["address"],
-                     "fabric": n["fabric"], "gpus": len(n["gpus"]), "engines": engines,
+                     "fabric": n["fabric"], "gpus": _gpu_words(n["gpus"]), "engines": engines,
                      "weights": disk, "replicas": ", ".join(n["replicas"]),
                      "warnings": "; ".join(n["warnings"])})
     _print(args, rows, ["node", "state", "address", "fabric", "gpus", "engines", "weights",
                         "replicas", "warnings"], "nodes")
+
+
+def _gpu_words(gpus: list[dict]) -> str:
+    """``2 x NVIDIA H100 80GB HBM3 (80 GiB)``; "-" for a node without GPUs."""
+    kinds = Counter((g["name"], round(g["memory_total_mib"] / 1024)) for g in gpus)
+    return ", ".join(f"{count} x {name} ({gib} GiB)"
+                     for (name, gib), count in kinds.items()) or "-"
+
+
+def _engine_words(engine: dict) -> str:
+    """``llama.cpp b11434 installed``; the node's own words where it is not usable:
+    ``llama.cpp b11434 installing (installing: downloading … (16 MB))``."""
+    words = " ".join(filter(None, [engine["name"], engine.get("version"), engine["state"]]))
+    if engine.get("detail") and engine["state"] not in ("installed", "configured"):
+        words += f" ({engine['detail']})"
+    return words
 
 
 def nodes_drain(args):
@@ -314,6 +359,27 @@ def nodes_drain(args):
 def nodes_undrain(args):
     reply = call(args, "POST", f"/api/nodes/{args.node}/undrain", {})
     _done(args, reply, f"{args.node} takes replicas again")
+
+
+def nodes_add(args):
+    reply = call(args, "POST", f"/api/nodes/{args.node}/join-tokens", {"ttl_s": args.ttl})
+    if args.json:
+        _print(args, reply)
+        return
+    print(f"run this on {reply['node']} (as root), before {reply['expires_at']}; the token "
+          "works once:", file=sys.stderr)
+    print(reply["command"])
+
+
+def nodes_revoke(args):
+    reply = call(args, "POST", f"/api/nodes/{args.node}/revoke", {})
+    if reply["revoked"]:
+        text = (f"revoked {args.node}: certificate serial(s) {', '.join(reply['revoked'])}; "
+                "its agent stream is closed and every handshake refused. To let it back, "
+                f"llmgw ctl nodes add {args.node} and join it again")
+    else:
+        text = f"{args.node} has no unexpired certificate: nothing to revoke"
+    _done(args, reply, text)
 
 
 def _weights_words(held: list[dict]) -> str:
@@ -332,12 +398,14 @@ def status(args):
         return
     console = Console(highlight=False)
     models = Table(title="models", title_justify="left")
-    for column in ("model", "ready", "wanted", "priority", "weights in", "why not all"):
+    for column in ("model", "ready", "wanted", "priority", "on", "weights in", "why not all"):
         models.add_column(column)
     for m in reply["models"]:
+        nodes = sorted({s["node"] for r in reply["replicas"] if r["model"] == m["name"]
+                        for s in r["shards"]})
         models.add_row(m["name"], str(m["replicas_ready"]), str(m["replicas_wanted"]),
-                       str(m["priority"]), _weights_words(m.get("weights", [])),
-                       m["unplaced"] or "")
+                       str(m["priority"]), ", ".join(nodes) or "-",
+                       _weights_words(m.get("weights", [])), m["unplaced"] or "")
     console.print(models)
     replicas = Table(title="replicas", title_justify="left")
     for column in ("replica", "model", "state", "where", "reason"):
@@ -350,6 +418,139 @@ def status(args):
         replicas.add_row(r["id"], r["model"], r["state"], where,
                          doing if r["state"] == "starting" and doing else r["reason"])
     console.print(replicas)
+    fabrics = Table(title="fabrics", title_justify="left")
+    for column in ("fabric", "nodes", "gpus", "replicas", "weights of"):
+        fabrics.add_column(column)
+    for row in _fabric_rows(reply):
+        fabrics.add_row(*row)
+    console.print(fabrics)
+
+
+def _fabric_rows(reply: dict) -> list[tuple[str, ...]]:
+    """What each fabric holds: its nodes, their GPUs, the replicas on them, and the models
+    whose weights are already there (a replica spans one fabric, never two)."""
+    by_fabric: dict[str | None, list[dict]] = {}
+    for node in reply["nodes"]:
+        by_fabric.setdefault(node["fabric"], []).append(node)
+    rows = []
+    for fabric in sorted(by_fabric, key=lambda f: (f is None, f or "")):
+        nodes = by_fabric[fabric]
+        weights = [m["name"] for m in reply["models"]
+                   if any(w["fabric"] == fabric for w in m.get("weights", []))]
+        rows.append((fabric or "no fabric",
+                     ", ".join(f"{n['id']} ({n['state']})" for n in nodes),
+                     str(sum(len(n["gpus"]) for n in nodes)),
+                     ", ".join(sorted(r for n in nodes for r in n["replicas"])) or "-",
+                     ", ".join(weights) or "-"))
+    return rows
+
+
+def _model_path(name: str) -> str:
+    return "/api/models/" + urllib.parse.quote(name, safe="/:")
+
+
+def _replicas_words(model: dict) -> str:
+    """``3 (server.yaml: 1)`` for a server.yaml model scaled over the API."""
+    if model.get("overridden"):
+        return f"{model['replicas']} (server.yaml: {model['replicas_in_config']})"
+    return str(model["replicas"])
+
+
+def models_list(args):
+    models = call(args, "GET", "/api/models")
+    if not args.json:
+        models = [{**m, "model": m["name"], "replicas": _replicas_words(m),
+                   "ready": m["replicas_ready"],
+                   "engines": ", ".join(f"{p['name']}: {p['engine']}"
+                                        for p in m.get("profiles", [])),
+                   "on": ", ".join(m.get("placed_on", [])),
+                   "why not all": m.get("unplaced")} for m in models]
+    _print(args, models, ["model", "source", "replicas", "ready", "engines", "on",
+                          "why not all"], "models")
+
+
+_MODEL_FLAGS = ("engine", "replicas", "gpus", "nodes", "source", "weights", "arg", "priority",
+                "description")
+
+
+def models_add(args):
+    if args.file:
+        given = [f"--{f}" for f in _MODEL_FLAGS if getattr(args, f) not in (None, [])]
+        if args.name or given:
+            raise CtlError("with --file, write the whole model in the file; NAME and "
+                           f"{', '.join(given) or 'the flags'} are for the simple case",
+                           EXIT_USAGE)
+        spec = _model_file(args.file)
+    else:
+        if not args.name or not args.engine:
+            raise CtlError("give NAME and --engine (sim, llama.cpp, vllm, sglang, comfyui), "
+                           "or --file model.yaml with the model as in server.yaml's models:",
+                           EXIT_USAGE)
+        profile = {"engine": args.engine, "gpus": args.gpus, "nodes": args.nodes,
+                   "source": args.source, "weights": args.weights, "args": args.arg}
+        spec = {"name": args.name, "replicas": args.replicas, "priority": args.priority,
+                "description": args.description,
+                "profiles": [{k: v for k, v in profile.items() if v not in (None, [])}]}
+        spec = {k: v for k, v in spec.items() if v is not None}
+    try:
+        reply = call(args, "POST", "/api/models", spec)
+    except CtlError as err:
+        if args.file and err.code == EXIT_REFUSED:
+            raise CtlError(f"{err} (in {args.file})", err.code) from None
+        raise
+    _done(args, reply, f"added {reply['name']}: {reply['replicas']} replica(s) wanted; "
+                       "`llmgw ctl status` shows where they start")
+
+
+def _model_file(path: str) -> dict:
+    """One model as written under server.yaml's ``models:`` (YAML or JSON; - for stdin)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        data = yaml.load(text, Loader=_StrictLoader)
+    except OSError as err:
+        raise CtlError(f"{path}: cannot read: {err.strerror}", EXIT_USAGE) from None
+    except UnicodeDecodeError:
+        raise CtlError(f"{path}: not a text file (not UTF-8)", EXIT_USAGE) from None
+    except yaml.YAMLError as err:
+        raise CtlError(f"{path}: not valid YAML or JSON: {err}", EXIT_USAGE) from None
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]  # an entry copied with its dash
+    if isinstance(data, dict) and "models" in data:
+        raise CtlError(f"{path} looks like a whole server.yaml: give one model, one entry "
+                       "of its models: list", EXIT_USAGE)
+    if not isinstance(data, dict):
+        raise CtlError(f"{path}: expected one model (name, profiles, ...), as one entry of "
+                       "server.yaml's models:", EXIT_USAGE)
+    return data
+
+
+def models_remove(args):
+    reply = call(args, "DELETE", _model_path(args.name))
+    _done(args, reply, f"removed {args.name}: its replicas stop")
+
+
+def models_scale(args):
+    if (args.replicas is None) == (not args.reset):
+        raise CtlError("give the number of replicas, or --reset to go back to "
+                       "server.yaml's", EXIT_USAGE)
+    reply = call(args, "PATCH", _model_path(args.name), {"replicas": args.replicas})
+    name = reply["name"]
+    text = f"{name}: {reply['replicas']} replica(s) wanted"
+    if reply.get("overridden"):
+        text += (f" (server.yaml: {reply['replicas_in_config']}; `llmgw ctl models scale "
+                 f"{name} --reset` goes back to it)")
+    _done(args, reply, text)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: give a whole number "
+                                         "from 0 up")
+    return value
 
 
 def add_parsers(ctl) -> None:
@@ -359,6 +560,8 @@ def add_parsers(ctl) -> None:
                         f"saved session's, or {DEFAULT_SERVER})")
     common.add_argument("--token", help="the admin token or a session token "
                         "(default: $LLMGW_TOKEN, or the saved session)")
+    common.add_argument("--ca-file", help="the cluster CA's PEM file, to trust an https "
+                        "server (default: $LLMGW_CA_FILE, else the system's CAs)")
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     def command(parent, name, func, help_text):
@@ -417,6 +620,42 @@ def add_parsers(ctl) -> None:
     p.add_argument("node")
     p = command(nodes, "undrain", nodes_undrain, "let a drained node take replicas again")
     p.add_argument("node")
+    p = command(nodes, "add", nodes_add, "make a one-time join token for a new node and "
+                "print the command to run on it")
+    p.add_argument("node", help="the node's id (its hostname)")
+    p.add_argument("--ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long the token is good for (default 3600)")
+    p = command(nodes, "revoke", nodes_revoke, "revoke a node's certificates: its stream is "
+                "closed and it cannot connect again until it joins again")
+    p.add_argument("node")
+
+    models = ctl.add_parser("models", help="models: list, add, remove, scale").add_subparsers(
+        dest="models_command", metavar="COMMAND", required=True)
+    command(models, "list", models_list, "every model: where it is declared, replicas wanted "
+            "and ready, where they run")
+    p = command(models, "add", models_add, "add a model (admins); it is kept in the store "
+                "and survives restarts")
+    p.add_argument("name", nargs="?", help="the model's name (with --engine)")
+    p.add_argument("--file", "-f", metavar="model.yaml", help="the model as one entry of "
+                   "server.yaml's models: (YAML or JSON; - reads stdin)")
+    p.add_argument("--engine", help="the engine of its one profile")
+    p.add_argument("--replicas", type=_count, help="default 1")
+    p.add_argument("--gpus", type=_count, help="GPUs per shard (default 0)")
+    p.add_argument("--nodes", type=_count, help="nodes per replica (default 1)")
+    p.add_argument("--source", help="where weights come from: hf://ORG/NAME[@REV]")
+    p.add_argument("--weights", help="a path on the node that the engine loads")
+    p.add_argument("--arg", action="append", default=[], help="an engine argument (repeat)")
+    p.add_argument("--priority", type=int)
+    p.add_argument("--description")
+    p = command(models, "remove", models_remove, "remove a model added over the API "
+                "(admins); its replicas stop. server.yaml's models are removed there")
+    p.add_argument("name")
+    p = command(models, "scale", models_scale, "set how many replicas a model keeps "
+                "(admins); for a server.yaml model, an override kept until --reset")
+    p.add_argument("name")
+    p.add_argument("replicas", nargs="?", type=_count)
+    p.add_argument("--reset", action="store_true",
+                   help="back to server.yaml's replicas")
 
     invites = ctl.add_parser("invites", help="signup invites (admins)").add_subparsers(
         dest="invites_command", metavar="COMMAND", required=True)

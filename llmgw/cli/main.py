@@ -8,8 +8,8 @@ import logging
 import sys
 
 from llmgw import __version__
+from llmgw.cli import agent_join, doctor, engine_check, server_init
 from llmgw.cli import ctl as ctl_commands
-from llmgw.cli import doctor, engine_check
 from llmgw.cli import store as store_commands
 from llmgw.cli import weights as weights_commands
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
@@ -32,6 +32,10 @@ def _server(args: argparse.Namespace) -> int:
     from llmgw.server.run import serve
     from llmgw.store import StoreError
 
+    if args.config is None:
+        print("llmgw server: give --config server.yaml (make one with `llmgw server init`)",
+              file=sys.stderr)
+        return 2
     config = load(args.config, ServerConfig)
     _logging(config.log_level)
     try:
@@ -50,6 +54,10 @@ def _agent(args: argparse.Namespace) -> int:
     from llmgw.agent.runtime import ManagerUnreachable
     from llmgw.agent.weights import WeightsError
 
+    if args.config is None:
+        print("llmgw agent: give --config agent.yaml (or join a cluster with "
+              "`llmgw agent join URL TOKEN`)", file=sys.stderr)
+        return 2
     config = load(args.config, AgentConfig)
     if args.check:
         return doctor.run_check(config, args.json)
@@ -78,19 +86,21 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("server", help="run the control plane and gateway",
                        description="Run the control plane and the OpenAI-compatible gateway.")
-    p.add_argument("--config", "-c", required=True, metavar="server.yaml",
-                   help="the server's configuration file")
+    p.add_argument("--config", "-c", metavar="server.yaml",
+                   help="the server's configuration file (required to run)")
     p.set_defaults(func=_server)
+    server_init.add_parser(p.add_subparsers(dest="server_command", metavar="COMMAND"))
 
     p = sub.add_parser("agent", help="run the node agent",
                        description="Run the node agent: dial the control plane, run shards.")
-    p.add_argument("--config", "-c", required=True, metavar="agent.yaml",
-                   help="the agent's configuration file")
+    p.add_argument("--config", "-c", metavar="agent.yaml",
+                   help="the agent's configuration file (required to run)")
     p.add_argument("--check", action="store_true",
                    help="check this node (as `llmgw doctor`) and exit instead of running; "
                    "exit code 1 when something blocks it")
     p.add_argument("--json", action="store_true", help="with --check: print JSON")
     p.set_defaults(func=_agent)
+    agent_join.add_parser(p.add_subparsers(dest="agent_command", metavar="COMMAND"))
 
     p = sub.add_parser("up", help="run everything on this machine",
                        description="Run a server (SQLite), a local agent and one small model "

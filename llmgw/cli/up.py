@@ -128,6 +128,9 @@ def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
         listen=cfg.Listen(host="127.0.0.1", port=port),
         state_dir=str(state / "server"),
         models=[demo.model],
+        # `up` brings its own engine (built from PyPI, or sim): nothing for the agent to
+        # fetch from GitHub.
+        engines={},
     )
     agent = cfg.AgentConfig(
         servers=[f"http://127.0.0.1:{port}"],

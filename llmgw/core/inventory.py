@@ -157,6 +157,10 @@ def inventory_changes(old: wire.Inventory, new: wire.Inventory) -> list[str]:
             changes.append(f"engine -{name}")
         elif (was.version, was.state) != (now.version, now.state):
             changes.append(f"engine {_engine_words(was)} -> {_engine_words(now)}")
+        elif was.detail != now.detail:
+            # The node's own words (an install's progress, why it failed) are what
+            # placement's refusals and `ctl nodes` show: they count as a change too.
+            changes.append(f"engine {_engine_words(now)}: {now.detail or 'no detail'}")
     for what, a, b in (("fabric", old.fabric, new.fabric),
                        ("labels", old.labels, new.labels),
                        ("disabled engines", old.disabled_engines, new.disabled_engines)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 # Model names are what clients send as `model`: allow the usual "org/name:tag" shapes.
@@ -55,3 +56,18 @@ def replica_id(model: str, epoch: int) -> str:
 
 def shard_unit(replica: str, rank: int) -> str:
     return f"llmgw-shard-{replica}-{rank}"
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether ``host`` is a loopback address (an IPv4-mapped one and ``localhost``
+    included). Names other than ``localhost`` are not resolved: they are not loopback."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0].strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback

@@ -24,6 +24,7 @@ from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import Timeouts
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server import admin
+from llmgw.server.admin import join as join_routes
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.agents.stream import agent_stream
 from llmgw.server.auth.passwords import PasswordHasher
@@ -98,7 +99,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     )
     controller = Controller(catalog, store, NodeSessions(timeouts), policy,
                             interval_s=config.controller.interval_s,
-                            heartbeat_interval_s=config.nodes.heartbeat_interval_s)
+                            heartbeat_interval_s=config.nodes.heartbeat_interval_s,
+                            settings=config)
     router = Router(queue_max=config.gateway.queue_max,
                     queue_wait_s=config.gateway.queue_wait_s,
                     epsilon=config.gateway.affinity_epsilon)
@@ -129,12 +131,14 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
 
     app = Litestar(
         route_handlers=[healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
-                        *admin.ROUTES],
+                        *admin.ROUTES, *join_routes.ROUTES],
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
             "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
+            # join.RevokedCallback: awaited with (node, serials) after a revocation.
+            "on_revoked": [],
         }),
         exception_handlers={
             ApiError: _api_error,

@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from llmgw import wire
+from llmgw import config, wire
 from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
+from llmgw.core.desired_engines import desired_engines, settings_problems
 from llmgw.core.inventory import NodeState, inventory_changes, node_from_register
 from llmgw.core.names import replica_id
 from llmgw.core.placement import newly_qualified
@@ -48,7 +49,8 @@ DRAINING_SETTING = "draining_nodes"
 class Controller:
     def __init__(self, catalog: Catalog, store: Store, sessions: NodeSessions,
                  policy: reconcile.Policy, interval_s: float, heartbeat_interval_s: float,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 settings: config.ServerConfig | None = None):
         self.catalog = catalog
         self.store = store
         self.sessions = sessions
@@ -68,6 +70,11 @@ class Controller:
         self._settle_until = 0.0
         self._listeners: list[Callable[[Controller], None]] = []
         self._lock = asyncio.Lock()
+        # server.yaml's engines and overrides, and what each node was last asked for.
+        self.settings = settings or config.ServerConfig()
+        self.engines_sent: dict[str, list[wire.EngineWanted]] = {}
+        for problem in settings_problems(self.settings):
+            log.warning("server.yaml: %s", problem)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -227,6 +234,8 @@ class Controller:
             self._log_inventory_change(msg, old_inventory)
             self._adopt(msg, now)
             self.sessions.refresh(now)
+            self.engines_sent.pop(msg.node_id, None)
+            self._ask_for_engines(msg)
         await self.store.put_node(NodeRecord(
             id=msg.node_id, address=msg.address, state=session.state.value,
             inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
@@ -244,6 +253,7 @@ class Controller:
         old = session.register
         self.sessions.update_inventory(node_id, msg.inventory, now)
         self._log_inventory_change(self.sessions.get(node_id).register, old.inventory)
+        self._ask_for_engines(self.sessions.get(node_id).register)
         stored = await self.store.get_node(node_id)
         await self.store.put_node(NodeRecord(
             id=node_id, address=old.address, state=session.state.value,
@@ -252,6 +262,17 @@ class Controller:
             last_seen_at=_utc(now)))
         self._changed()
         self.wake()
+
+    def _ask_for_engines(self, msg: wire.Register) -> None:
+        """Send the node the engines it should have, when that differs from what it was
+        last sent on this stream (a new label or GPU can change it)."""
+        wanted = desired_engines(self.settings, msg)
+        if self.engines_sent.get(msg.node_id) == wanted:
+            return
+        if self.sessions.send(msg.node_id, wire.InstallEngines(engines=wanted)):
+            self.engines_sent[msg.node_id] = wanted
+            log.info("asked %s for engines: %s", msg.node_id,
+                     ", ".join(f"{e.name} {e.version}" for e in wanted) or "none")
 
     def _log_inventory_change(self, msg: wire.Register, old: wire.Inventory | None) -> None:
         # "The node now qualifies" answers why a model placed an hour after it was asked for.
@@ -331,6 +352,15 @@ class Controller:
     async def load_draining(self) -> None:
         for node_id in await self.store.get_setting(DRAINING_SETTING, []):
             self.sessions.set_draining(node_id, True)
+
+    async def set_catalog(self, catalog: Catalog) -> None:
+        """Models were added, removed or scaled over the admin API: plan with them now.
+        Swapped under the pass lock, so no pass sees half of the change."""
+        async with self._lock:
+            self.catalog = catalog
+        log.info("catalog: %s", ", ".join(f"{m.name} x{m.replicas}" for m in catalog.models)
+                 or "no models")
+        await self.pass_once()
 
     async def set_draining(self, node_id: str, draining: bool) -> None:
         """An operator drains a node: its replicas move elsewhere, each stopping once its

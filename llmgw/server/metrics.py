@@ -25,7 +25,6 @@ scraper gets a token of its own that opens nothing else.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import stat
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from llmgw.core.inventory import NodeState
+from llmgw.core.names import is_loopback_host
 from llmgw.core.replicas import ReplicaState
 from llmgw.server.auth import SecretsFileError, admin_token_ok, bearer
 from llmgw.server.errors import error_response
@@ -108,18 +108,7 @@ class Access:
             return admin_token is not None and admin_token_ok(admin_token, token)
         if not self.allow_loopback or any(h in request.headers for h in _FORWARDED):
             return False
-        return _loopback(request.client.host if request.client else None)
-
-
-def _loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
+        return is_loopback_host(request.client.host if request.client else None)
 
 
 def read_token_file(path: str | os.PathLike) -> str:

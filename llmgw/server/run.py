@@ -8,14 +8,16 @@ import logging
 import signal
 from pathlib import Path
 
-import msgspec
 from granian.constants import Interfaces
-from granian.server.embed import Server as Granian
 
-from llmgw.config import ServerConfig
+from llmgw.config import ConfigError, ServerConfig
 from llmgw.core.catalog import Catalog, catalog_from_config
+from llmgw.core.names import is_loopback_host
+from llmgw.server.admin.models import sync_declared
+from llmgw.server.agents.mtls import AgentListener, LiveStreams
 from llmgw.server.app import build
 from llmgw.server.auth import load_or_create_admin_token
+from llmgw.server.listen import make_server
 from llmgw.store import Store, open_store, sqlite_url
 from llmgw.store.lock import hold_state_lock
 
@@ -26,15 +28,12 @@ def store_url(config: ServerConfig) -> str:
     return config.store.url or sqlite_url(Path(config.state_dir) / "llmgw.db")
 
 
-async def sync_catalog(store: Store, catalog: Catalog, config: ServerConfig) -> None:
-    """server.yaml declares the models; the store keeps the same list for the API to read."""
-    declared = {m.name: m for m in config.models}
-    for name, model in declared.items():
-        await store.put_model(name, msgspec.to_builtins(model))
-    for stored in await store.list_models():
-        if stored.name not in declared:
-            await store.delete_model(stored.name)
+async def sync_catalog(store: Store, config: ServerConfig) -> Catalog:
+    """The catalog to serve: server.yaml's models (mirrored into the store, with any
+    replicas override set over the API) and the models added over the API."""
+    catalog = await sync_declared(store, config)
     log.info("catalog: %s", ", ".join(catalog.names()) or "no models declared")
+    return catalog
 
 
 class _QuietEmbedWarning(logging.Filter):
@@ -42,8 +41,22 @@ class _QuietEmbedWarning(logging.Filter):
         return "Embedded server is experimental" not in record.getMessage()
 
 
+def check_plain_http(config: ServerConfig) -> None:
+    """Plain HTTP is for loopback, or a network the operator vouched for."""
+    listen = config.listen
+    if (config.tls is not None or listen.allow_plain_http or listen.host == "localhost"
+            or is_loopback_host(listen.host)):
+        return
+    raise ConfigError(
+        f"listen.host is {listen.host}, not a loopback address, and server.yaml has no tls "
+        "block: passwords, API keys and the agent stream would cross the network in plain "
+        "text. Run `llmgw server init` for a CA and certificates (it writes tls), or set "
+        "listen.allow_plain_http: true on a network you trust")
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM. ``ready`` is set once the listener is up."""
+    check_plain_http(config)
     catalog = catalog_from_config(config.models)
     Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     # Held for the server's life: `llmgw store` operations refuse while it runs.
@@ -57,26 +70,39 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         log.info("made a new admin token in %s/secrets/admin-token", config.state_dir)
     store = await open_store(store_url(config))
     try:
-        await sync_catalog(store, catalog, config)
+        catalog = await sync_catalog(store, config)
         server = build(config, store, catalog, admin_token)
+        live = LiveStreams()
+        # POST /api/nodes/NAME/revoke closes the node's live mTLS streams at once.
+        server.app.state.on_revoked.append(live.on_revoked)
+        tls = config.tls
+        agents = AgentListener(tls, server.controller, store, live) if tls else None
+        # /v1 and the admin API over TLS with the server's certificate; no client certificate.
+        ssl_options = ({"ssl_cert": Path(tls.cert_file), "ssl_key": Path(tls.key_file)}
+                       if tls else {})
         logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
-        granian = Granian(
-            server.app,
-            address=config.listen.host,
-            port=config.listen.port,
-            interface=Interfaces.ASGI,
-            websockets=True,
-            log_enabled=False,
+        # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
+        granian, url = make_server(
+            server.app, config.listen, interface=Interfaces.ASGI, websockets=True,
+            log_enabled=False, **ssl_options,
         )
+        if tls:
+            url = url.replace("http://", "https://", 1)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, granian.stop)
-        log.info("serving on http://%s:%d", config.listen.host, config.listen.port)
+        log.info("serving on %s", url)
         _tune_gc()
-        task = asyncio.create_task(granian.serve())
-        if ready is not None:
-            ready.set()
-        await task
+        if agents is not None:
+            await agents.start()
+        try:
+            task = asyncio.create_task(granian.serve())
+            if ready is not None:
+                ready.set()
+            await task
+        finally:
+            if agents is not None:
+                await agents.stop()
     finally:
         await store.close()
 

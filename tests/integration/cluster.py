@@ -195,15 +195,23 @@ class Cluster:
     def server_state(self) -> Path:
         return self.root / "server"
 
+    @property
+    def plain_off_loopback(self) -> bool:
+        """Plain HTTP on a bridge address (the netns tests): both sides must allow it."""
+        return self.listen_host not in ("127.0.0.1", "::1", "localhost")
+
     def write_server_config(self) -> Path:
         config = {
-            "listen": {"host": self.listen_host, "port": self.port},
+            "listen": {"host": self.listen_host, "port": self.port,
+                       **({"allow_plain_http": True} if self.plain_off_loopback else {})},
             "state_dir": str(self.server_state),
             "nodes": {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3,
                       "lost_after_s": 8},
             "controller": {"interval_s": 0.5, "restart_backoff_initial_s": 0.5,
                            "restart_backoff_max_s": 2, "adoption_grace_s": 5},
             "models": self.models,
+            # No engine installs unless a test asks: tests stay on loopback.
+            "engines": {},
             "log_level": "debug",
             **self.server_overrides,
         }
@@ -245,6 +253,7 @@ class Cluster:
             "runtime": "process",
             "weights": {"directories": [{"path": str(state / "weights")}]},
             "log_level": "debug",
+            **({"allow_plain_http": True} if self.plain_off_loopback else {}),
             **overrides,
         }
         config = {key: value for key, value in config.items() if value is not None}

@@ -24,9 +24,10 @@ from litestar.openapi import OpenAPIConfig
 from litestar.routes import ASGIRoute, HTTPRoute, WebSocketRoute
 from schemathesis.checks import not_a_server_error
 
+from llmgw import config
 from llmgw.config import ServerConfig
 from llmgw.core.catalog import Catalog
-from llmgw.server.admin import accounts, keys
+from llmgw.server.admin import accounts, join, keys, models
 from llmgw.server.app import build
 from tests.integration.cluster import Cluster
 
@@ -48,13 +49,17 @@ ADMIN_BODIES: dict[tuple[str, str], type] = {
     ("put", "/api/settings"): accounts.Settings,
     ("post", "/api/keys"): keys.NewKey,
     ("patch", "/api/keys/{prefix}"): keys.KeyChange,
+    ("post", "/api/models"): config.Model,
+    ("patch", "/api/models/{name}"): models.Scale,
+    ("post", "/api/nodes/{name}/join-tokens"): join.JoinTokenInput,
+    ("post", "/api/join"): join.JoinInput,
 }
 # Rules the handlers check beyond the structs' types: generated values that keep them get
 # past validation into the code behind it.
 FIELD_RULES = {"username": {"pattern": "^[a-z][a-z0-9._-]{1,30}$"}}
 # These take no body (or ignore it).
 NO_BODY = {("post", "/api/auth/logout"), ("post", "/api/nodes/{node_id}/drain"),
-           ("post", "/api/nodes/{node_id}/undrain")}
+           ("post", "/api/nodes/{node_id}/undrain"), ("post", "/api/nodes/{name}/revoke")}
 
 _TEXT = {"type": "string", "maxLength": 64}
 _MESSAGES = {"type": "array", "minItems": 1, "maxItems": 3, "items": {

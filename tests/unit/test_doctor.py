@@ -185,19 +185,30 @@ def test_a_driver_with_no_gpus_is_still_a_cpu_only_node(tmp_path):
     assert "no GPUs" in finding(findings, "nvidia-driver").summary
 
 
-def test_one_4090_on_a_570_driver_rules_out_cuda_13_and_so_sglang(tmp_path):
+def test_one_4090_on_a_570_driver_keeps_only_llama_cpps_cuda_12_8_build(tmp_path):
     facts, findings, capabilities = run_doctor(tmp_path, nvml=fake_single_4090())
     assert [g.name for g in facts.gpus.gpus] == ["NVIDIA GeForce RTX 4090"]
     driver = finding(findings, "nvidia-driver")
     assert driver.severity == "warning"
-    assert driver.summary == ("driver 570.172.08 rules out CUDA 13.0 (needs ≥ 580.65.06): "
-                              "sglang cannot run here")
-    assert "580.65.06" in driver.fix
-    assert can(capabilities, "vllm").can
+    # vLLM, SGLang and ComfyUI publish cu130 and cu129 builds; llama.cpp also one for 12.8.
+    assert driver.summary == ("driver 570.172.08 rules out CUDA 12.9 (needs ≥ 575.51.03), "
+                              "CUDA 13.0 (needs ≥ 580.65.06): comfyui, sglang, vllm cannot "
+                              "run here")
+    assert "580.65.06" in driver.fix and "the 580 branch" in driver.fix
     assert can(capabilities, "llama.cpp", "cuda").can
-    assert can(capabilities, "comfyui").can
-    assert can(capabilities, "sglang") == doctor.Capability(
-        "sglang", "", False, "driver 570.172.08 is older than 580.65.06")
+    for engine in ("vllm", "sglang", "comfyui"):
+        assert can(capabilities, engine) == doctor.Capability(
+            engine, "", False, "driver 570.172.08 is older than 575.51.03")
+    assert doctor.exit_code(findings) == 0
+
+
+def test_a_575_driver_rules_out_cuda_13_and_keeps_every_engine(tmp_path):
+    l40 = FakeNvml([gpu("NVIDIA L40S", (8, 9), "41", 46068)], driver="575.57.08", cuda=12090)
+    _, findings, capabilities = run_doctor(tmp_path, nvml=l40)
+    driver = finding(findings, "nvidia-driver")
+    assert driver.severity == "warning"
+    assert driver.summary == "driver 575.57.08 rules out CUDA 13.0 (needs ≥ 580.65.06)"
+    assert all(c.can for c in capabilities)
 
 
 def test_eight_h100s_on_a_580_driver_run_everything(tmp_path):
@@ -209,27 +220,49 @@ def test_eight_h100s_on_a_580_driver_run_everything(tmp_path):
     assert doctor.exit_code(findings) == 0
 
 
-def test_a_driver_older_than_every_build_blocks(tmp_path):
-    old = FakeNvml([gpu("Tesla T4", (7, 5), "3B", 15360)], driver="515.65.01", cuda=11070)
-    _, findings, capabilities = run_doctor(tmp_path, nvml=old)
+def old_driver_t4() -> FakeNvml:
+    return FakeNvml([gpu("Tesla T4", (7, 5), "3B", 15360)], driver="535.247.01", cuda=12020)
+
+
+def test_a_driver_older_than_every_cuda_build_leaves_llama_cpp_on_vulkan(tmp_path):
+    _, findings, capabilities = run_doctor(tmp_path, nvml=old_driver_t4())
+    driver = finding(findings, "nvidia-driver")
+    assert driver.severity == "warning"  # narrower, not stopped: llama.cpp still serves
+    assert driver.summary == ("driver 535.247.01 is older than every CUDA build llmgw installs "
+                              "(needs ≥ 570.26): comfyui, sglang, vllm cannot run here; "
+                              "llama.cpp would use its Vulkan build")
+    assert can(capabilities, "llama.cpp", "cuda") == doctor.Capability(
+        "llama.cpp", "cuda", False,
+        "driver 535.247.01 is older than 570.26: llama.cpp would use its Vulkan build")
+    assert not any(c.can for c in capabilities if c.engine in ("vllm", "sglang", "comfyui"))
+    assert doctor.exit_code(findings) == 0
+
+
+def test_a_driver_older_than_every_cuda_build_blocks_without_llama_cpp(tmp_path):
+    config = agent_config(tmp_path, disable_engines=["llama.cpp"])
+    _, findings, _ = run_doctor(tmp_path, config, nvml=old_driver_t4())
     driver = finding(findings, "nvidia-driver")
     assert driver.severity == "blocking"
-    assert driver.summary == ("driver 515.65.01 is older than every CUDA build llmgw installs "
-                              "(needs ≥ 525.60.13): upgrade the NVIDIA driver")
-    assert not any(c.can for c in capabilities if c.build == "cuda" or c.engine == "vllm")
+    assert driver.summary == ("driver 535.247.01 is older than every CUDA build llmgw installs "
+                              "(needs ≥ 570.26), and no enabled engine has a build for these "
+                              "GPUs on x86_64 that needs no CUDA: upgrade the NVIDIA driver")
     assert doctor.exit_code(findings) == 1
 
 
-def test_a_535_driver_keeps_cuda_12_engines_only(tmp_path):
-    lts = FakeNvml([gpu("NVIDIA A100-SXM4-80GB", (8, 0), "07", 81920)], driver="535.247.01",
-                   cuda=12020)
-    _, findings, capabilities = run_doctor(tmp_path, nvml=lts)
+def test_an_arm_gpu_node_has_no_vulkan_fallback_so_an_old_driver_blocks(tmp_path):
+    gh200 = FakeNvml([gpu("NVIDIA GH200 480GB", (9, 0), "09", 97871)], driver="570.195.03",
+                     cuda=12080)
+    _, findings, capabilities = run_doctor(tmp_path, nvml=gh200, cpuinfo=ARM_CPUINFO,
+                                           arch="aarch64")
     driver = finding(findings, "nvidia-driver")
-    assert driver.severity == "warning"
-    assert "CUDA 12.8 (needs ≥ 570.26), CUDA 13.0 (needs ≥ 580.65.06)" in driver.summary
-    assert driver.summary.endswith("sglang, vllm cannot run here")
-    assert can(capabilities, "llama.cpp", "cuda").can
-    assert not can(capabilities, "vllm").can
+    # On ARM llama.cpp publishes no GPU build and vLLM only cu130: 12.9 is the oldest line.
+    assert driver.severity == "blocking"
+    assert driver.summary.startswith("driver 570.195.03 is older than every CUDA build llmgw "
+                                     "installs (needs ≥ 575.51.03), and no enabled engine")
+    assert can(capabilities, "vllm").why == "driver 570.195.03 is older than 580.65.06"
+    assert can(capabilities, "llama.cpp", "cuda").why == (
+        "llama.cpp publishes no GPU build for aarch64")
+    assert doctor.exit_code(findings) == 1
 
 
 def test_compute_capability_decides_vllm_and_sglang(tmp_path):
@@ -241,9 +274,13 @@ def test_compute_capability_decides_vllm_and_sglang(tmp_path):
                                              "here is 6.1")
     assert can(capabilities, "llama.cpp", "cuda").can
 
-    volta = FakeNvml([gpu("Tesla V100-SXM2-32GB", (7, 0), "02", 32768)])
+    # Volta: vLLM 0.19.1 is the last built for 7.0, on CUDA 12.8, so a 570 driver is enough.
+    volta = FakeNvml([gpu("Tesla V100-SXM2-32GB", (7, 0), "02", 32768)], driver="570.195.03")
     _, _, capabilities = run_doctor(tmp_path / "v", nvml=volta)
     assert can(capabilities, "vllm").can
+    assert can(capabilities, "vllm").why == (
+        "1 GPU(s) fit, driver 570.195.03; only vLLM 0.19.1 is built for compute capability "
+        "7.0: give this node that version in engine_overrides")
     assert not can(capabilities, "sglang").can
     assert "7.5" in can(capabilities, "sglang").why
 
@@ -306,6 +343,7 @@ def test_too_little_disk_for_vllm_warns_and_rules_it_out(tmp_path):
         f"vLLM needs about 25 GiB; 12.0 GiB free on {tmp_path / 'a' / 'b'}")
     assert not can(capabilities, "vllm").can
     assert "12.0 GiB free" in can(capabilities, "vllm").why
+    assert can(capabilities, "comfyui").can  # its environment takes about 10 GiB
     assert can(capabilities, "llama.cpp", "cuda").can
 
 

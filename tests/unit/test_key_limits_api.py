@@ -187,7 +187,8 @@ async def run_ctl(world: World, monkeypatch: pytest.MonkeyPatch, capsys):
     """Run `llmgw ctl ...` in a thread; its HTTP calls are served by the test app."""
     loop = asyncio.get_running_loop()
 
-    def urlopen(request, timeout):
+    def urlopen(request, timeout, context=None):
+        assert context is None  # plain http: no TLS context
         path = request.full_url.removeprefix("http://llmgw.test")
         reply = asyncio.run_coroutine_threadsafe(world.client.request(
             request.get_method(), path, headers=dict(request.header_items()),

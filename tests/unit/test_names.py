@@ -12,6 +12,7 @@ from llmgw.core.names import (
     NameRuleError,
     check_element,
     check_model_name,
+    is_loopback_host,
     replica_id,
     shard_unit,
 )
@@ -128,3 +129,12 @@ def test_check_element_rejects(name: str) -> None:
 def test_a_trailing_newline_is_rejected(check) -> None:
     with pytest.raises(NameRuleError):
         check("tp8\n")
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True),
+    ("::ffff:127.0.0.1", True), ("localhost", True), ("fe80::1%lo", False),
+    ("10.0.0.1", False), ("0.0.0.0", False), ("::", False), ("example.com", False),
+    ("", False), (None, False)])
+def test_loopback_hosts(host, loopback):
+    assert is_loopback_host(host) is loopback

@@ -8,7 +8,6 @@ all as configured; everything that only makes the node slower or narrower is a w
 from __future__ import annotations
 
 import errno
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,55 +16,66 @@ from typing import Literal
 from llmgw.agent.discovery.tls import TlsFile, TlsReport
 from llmgw.agent.doctor.facts import Facts, ServerFact
 from llmgw.config import AgentConfig
+from llmgw.core.builds import (
+    CUDA_DRIVER_FLOORS,
+    CUDA_LINES,
+    ENGINES,
+    MIN_COMPUTE,
+    PYTHON_ENGINE_DISK_MIB,
+    VLLM_CC_FROM_0_20,
+    VLLM_LAST_FOR_VOLTA,
+    cuda_lines,
+    driver_at_least,
+    driver_runs,
+    gpu_builds,
+    version_tuple,
+)
 
 Severity = Literal["blocking", "warning", "info", "ok"]
 SEVERITY_ORDER: dict[str, int] = {"blocking": 0, "warning": 1, "info": 2, "ok": 3}
 
 _GIB = 1024  # MiB
-VLLM_DISK_MIB = 25 * _GIB  # a vLLM (or SGLang) environment: torch, CUDA libraries, kernels
+VLLM_DISK_MIB = PYTHON_ENGINE_DISK_MIB["vllm"]  # torch, CUDA libraries, kernels
 WEIGHTS_LOW_MIB = 10 * _GIB  # below this, the directory fetched weights land in is warned
 SKEW_WARN_S = 5.0
 SKEW_BLOCK_S = 60.0  # short-lived certificates and heartbeat timeouts break past this
 CERT_WARN_S = 7 * 86400.0
 
 
-# --- CUDA builds and what each engine needs -------------------------------------------------
+# --- CUDA builds and what each engine needs: read from core.builds, the one table ------------
 
 
 @dataclass(frozen=True)
 class CudaBuild:
     name: str
-    min_driver: str  # the Linux x86_64 driver NVIDIA names for it
-    engines: tuple[str, ...]  # engines whose builds llmgw takes from this CUDA line
+    min_driver: str  # the Linux driver NVIDIA names for it
+    engines: tuple[str, ...]  # engines with a build on this CUDA line
 
 
-# NVIDIA, CUDA Toolkit Release Notes, "CUDA Toolkit and Corresponding Driver Versions"
-# (Table 3, docs.nvidia.com/cuda/cuda-toolkit-release-notes) and the CUDA minor-version
-# compatibility page (docs.nvidia.com/deploy/cuda-compatibility): CUDA 12.x runs on
-# >= 525.60.13 through minor-version compatibility; CUDA 12.8 GA lists >= 570.26; CUDA 13.0
-# GA lists >= 580.65.06. Which engine uses which line: llama.cpp and ComfyUI (PyTorch cu12x
-# wheels) run on any CUDA 12 driver; vLLM's wheels are built with CUDA 12.8 or 13.0; SGLang
-# publishes CUDA 13 builds only since 0.5.20 (docs.sglang.io install page).
-CUDA_BUILDS: tuple[CudaBuild, ...] = (
-    CudaBuild("CUDA 12.x", "525.60.13", ("llama.cpp", "comfyui")),
-    CudaBuild("CUDA 12.8", "570.26", ("vllm",)),
-    CudaBuild("CUDA 13.0", "580.65.06", ("vllm", "sglang")),
-)
-# Lowest compute capability each GPU engine supports: vLLM's GPU install page says 7.0 or
-# higher; SGLang's quickstart says sm75 and above.
-MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
-    "vllm": (7, 0), "sglang": (7, 5), "llama.cpp": (5, 0), "comfyui": (5, 0)}
-_BIG_ENGINES = ("vllm", "sglang")  # installs of about 25 GiB
+def cuda_builds(arch: str = "x86_64") -> tuple[CudaBuild, ...]:
+    """The CUDA lines llmgw installs builds of on an ``arch`` node, oldest first."""
+    lines = {line for engine in ENGINES for line in cuda_lines(engine, arch)}
+    return tuple(CudaBuild(f"CUDA {line}", CUDA_DRIVER_FLOORS[line],
+                           tuple(e for e in ENGINES if line in cuda_lines(e, arch)))
+                 for line in sorted(lines, key=version_tuple))
 
 
-def _version(text: str) -> tuple[int, ...]:
-    parts = [int(p) for p in re.findall(r"\d+", text)[:3]]
-    return tuple(parts + [0] * (3 - len(parts)))
+CUDA_BUILDS = cuda_builds()
+MIN_COMPUTE_CAPABILITY = MIN_COMPUTE
+_SHOWN = {"vulkan": "Vulkan"}
 
 
-def driver_floor(engine: str) -> str:
+def driver_floor(engine: str, arch: str = "x86_64", version: str = "") -> str:
     """The oldest driver that runs at least one of ``engine``'s CUDA builds."""
-    return min((b.min_driver for b in CUDA_BUILDS if engine in b.engines), key=_version)
+    return min((CUDA_DRIVER_FLOORS[line] for line in cuda_lines(engine, arch, version)),
+               key=version_tuple)
+
+
+def _fallback(engine: str, arch: str, driver: str, version: str = "") -> str:
+    """The GPU build ``engine`` would use where the driver runs none of its CUDA builds
+    (llama.cpp's Vulkan), or ""."""
+    runs = [b for b in gpu_builds(engine, arch, version) if driver_runs(b, driver)]
+    return "" if any(b in CUDA_LINES for b in runs) or not runs else runs[0]
 
 
 # --- verdicts (pure) --------------------------------------------------------------------------
@@ -114,7 +124,7 @@ def sort_findings(findings: Sequence[Finding]) -> list[Finding]:
 
 def checks(facts: Facts, config: AgentConfig | None = None) -> list[Finding]:
     """Every check's verdict, blocking first."""
-    found = [_avx2(facts), _driver(facts), _engine_disk(facts), *_weights(facts),
+    found = [_avx2(facts), _driver(facts, config), _engine_disk(facts), *_weights(facts),
              *_fabric(facts, config), *_control_plane(facts), *_tls(facts, config)]
     return sort_findings(found)
 
@@ -140,7 +150,7 @@ def _avx2(f: Facts) -> Finding:
         "AVX2 (before Intel Haswell / AMD Excavator): use GPU engines or another node")
 
 
-def _driver(f: Facts) -> Finding:
+def _driver(f: Facts, config: AgentConfig | None) -> Finding:
     report = f.gpus
     if not report.gpus:
         note = f" ({report.note})" if report.note else ""
@@ -151,25 +161,37 @@ def _driver(f: Facts) -> Finding:
                        f"{len(report.gpus)} NVIDIA GPU(s) but NVML gave no driver version: "
                        "cannot tell which CUDA builds run here",
                        "check `nvidia-smi`; reinstall the NVIDIA driver if it fails")
-    driver = _version(report.driver)
-    too_new = [b for b in CUDA_BUILDS if driver < _version(b.min_driver)]
-    newest = max((b.min_driver for b in CUDA_BUILDS), key=_version)
-    fix = (f"install NVIDIA driver {newest} or newer (the 580 branch runs every CUDA build "
-           "llmgw installs) from your distribution or NVIDIA, then reboot")
-    if len(too_new) == len(CUDA_BUILDS):
-        oldest = min((b.min_driver for b in CUDA_BUILDS), key=_version)
-        return Finding("blocking", "nvidia-driver",
-                       f"driver {report.driver} is older than every CUDA build llmgw "
-                       f"installs (needs ≥ {oldest}): upgrade the NVIDIA driver", fix)
-    if too_new:
-        lost = sorted({e for b in too_new for e in b.engines
-                       if _version(driver_floor(e)) > driver})
-        builds = ", ".join(f"{b.name} (needs ≥ {b.min_driver})" for b in too_new)
-        engines = f": {', '.join(lost)} cannot run here" if lost else ""
-        return Finding("warning", "nvidia-driver",
-                       f"driver {report.driver} rules out {builds}{engines}", fix)
-    return Finding("ok", "nvidia-driver", f"driver {report.driver} (CUDA {report.cuda or '?'}) "
-                   "runs every CUDA build llmgw installs")
+    builds = cuda_builds(f.arch)
+    ruled_out = [b for b in builds if not driver_at_least(report.driver, b.min_driver)]
+    if not ruled_out:
+        return Finding("ok", "nvidia-driver", f"driver {report.driver} (CUDA "
+                       f"{report.cuda or '?'}) runs every CUDA build llmgw installs")
+    newest = max((b.min_driver for b in builds), key=version_tuple)
+    fix = (f"install NVIDIA driver {newest} or newer (the {newest.split('.')[0]} branch runs "
+           "every CUDA build llmgw installs) from your distribution or NVIDIA, then reboot")
+    disabled = set(config.disable_engines) if config else set()
+    lost, fallbacks = [], []
+    for engine in sorted(ENGINES):
+        if not cuda_lines(engine, f.arch) or driver_at_least(report.driver,
+                                                            driver_floor(engine, f.arch)):
+            continue
+        fallback = _fallback(engine, f.arch, report.driver)
+        if fallback and engine not in disabled:
+            fallbacks.append(f"{engine} would use its {_SHOWN.get(fallback, fallback)} build")
+        else:
+            lost.append(engine)
+    effects = "; ".join(([f"{', '.join(lost)} cannot run here"] if lost else []) + fallbacks)
+    if len(ruled_out) < len(builds):
+        ruled = ", ".join(f"{b.name} (needs ≥ {b.min_driver})" for b in ruled_out)
+        return Finding("warning", "nvidia-driver", f"driver {report.driver} rules out "
+                       f"{ruled}{': ' + effects if effects else ''}", fix)
+    every = (f"driver {report.driver} is older than every CUDA build llmgw installs (needs ≥ "
+             f"{min((b.min_driver for b in builds), key=version_tuple)})")
+    if fallbacks:  # the node still serves, on a build that needs no CUDA driver
+        return Finding("warning", "nvidia-driver", f"{every}: {effects}", fix)
+    return Finding("blocking", "nvidia-driver", f"{every}, and no enabled engine has a build "
+                   f"for these GPUs on {f.arch} that needs no CUDA: upgrade the NVIDIA driver",
+                   fix)
 
 
 def _engine_disk(f: Facts) -> Finding:
@@ -401,25 +423,39 @@ def can_run(facts: Facts, config: AgentConfig | None = None) -> list[Capability]
     configured = set(config.engines) if config else set()
     report = facts.gpus
     capabilities = [report.compute_capability.get(g.uuid) for g in report.gpus]
-    driver = _version(report.driver) if report.driver else None
     disk = facts.engine_dir.free_mib
 
     def gpu_engine(engine: str) -> tuple[bool, str]:
         if not report.gpus:
             return False, "no NVIDIA GPU"
-        floor = driver_floor(engine)
-        if driver is None or driver < _version(floor):
-            return False, f"driver {report.driver or '?'} is older than {floor}"
         need = MIN_COMPUTE_CAPABILITY[engine]
         fit = [cc for cc in capabilities if cc is None or cc >= need]
         if not fit:
             best = max(c for c in capabilities if c)
             return False, (f"needs compute capability ≥ {need[0]}.{need[1]}; the best GPU "
                            f"here is {best[0]}.{best[1]}")
-        if engine in _BIG_ENGINES and engine not in configured and (disk or 0) < VLLM_DISK_MIB:
-            return False, (f"installing it needs about {VLLM_DISK_MIB // _GIB} GiB; "
+        known = [cc for cc in fit if cc]
+        # Volta: only an older vLLM carries its kernels, with its own CUDA line.
+        volta = engine == "vllm" and bool(known) and max(known) < VLLM_CC_FROM_0_20
+        version = VLLM_LAST_FOR_VOLTA if volta else ""
+        if not cuda_lines(engine, facts.arch, version):
+            return False, f"{engine} publishes no GPU build for {facts.arch}"
+        floor = driver_floor(engine, facts.arch, version)
+        if not driver_at_least(report.driver, floor):
+            fallback = _fallback(engine, facts.arch, report.driver, version)
+            instead = (f": {engine} would use its {_SHOWN.get(fallback, fallback)} build"
+                       if fallback else "")
+            return False, f"driver {report.driver or '?'} is older than {floor}{instead}"
+        need_mib = PYTHON_ENGINE_DISK_MIB.get(engine, 0)
+        if engine not in configured and (disk or 0) < need_mib:
+            return False, (f"installing it needs about {need_mib // _GIB} GiB; "
                            f"{_gib(disk)} free on {facts.engine_dir.measured}")
-        return True, f"{len(fit)} GPU(s) fit, driver {report.driver}"
+        why = f"{len(fit)} GPU(s) fit, driver {report.driver}"
+        if volta:
+            why += (f"; only vLLM {VLLM_LAST_FOR_VOLTA} is built for compute capability "
+                    f"{max(known)[0]}.{max(known)[1]}: give this node that version in "
+                    "engine_overrides")
+        return True, why
 
     if _is_arm(facts.arch) or "avx2" in facts.cpu_flags:
         cpu = (True, "vector extensions: " + (" ".join(facts.cpu_flags) or "none"))

