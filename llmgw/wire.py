@@ -235,7 +235,8 @@ class EngineWanted(_Struct):
     """One engine the control plane wants on this node (see core.desired_engines).
     Archives are at ``<release_url>/<version>/<file>``; ``digests_url`` is where their
     sha256 come from (a SHA256SUMS file, or GitHub's release JSON), unless ``sha256`` pins
-    a file's."""
+    a file's. A source archive (ComfyUI's tag archive) is at ``<release_url>/<file>``, and
+    only a pinned ``sha256`` is taken for it: GitHub publishes none."""
 
     name: str
     version: str

@@ -72,7 +72,9 @@ class Build:
     engine: str
     version: str
     name: str  # "cuda-13.3", "vulkan", "cpu"; "cu130", "cu129", "cu128"
-    kind: str  # "archive" (unpacked, a binary in it) or "python" (a uv environment)
+    # "archive" (unpacked, a binary in it), "python" (a uv environment) or "source" (a
+    # source archive unpacked beside the uv environment its requirements.txt asks for)
+    kind: str
     asset: str = ""  # the archive's file name in the release
     binary: str = ""  # the program in the archive (or environment) that serves
     needs: tuple[str, ...] = ()  # OS packages by need: "gomp", "vulkan", "gcc"
@@ -252,6 +254,11 @@ def _comfyui(version: str, node: NodeFacts) -> list[Build] | Refusal:
     found = _cuda_builds("comfyui", version, node, "python", ())
     if isinstance(found, Refusal):
         return found
-    # Its source archive is GitHub's tag archive, unpacked beside the environment.
-    return [Build(b.engine, b.version, b.name, "python", f"v{version}.tar.gz", "main.py",
+    return [Build(b.engine, b.version, b.name, "source", comfyui_archive(version), "main.py",
                   b.needs, True, b.torch_index, b.min_free_mib) for b in found]
+
+
+def comfyui_archive(version: str) -> str:
+    """ComfyUI's source archive for ``version``: GitHub's archive of the tag ``v<version>``,
+    for which GitHub publishes no digest (server.yaml pins it)."""
+    return f"v{version}.tar.gz"

@@ -8,7 +8,7 @@ out the rest itself (the build, the OS packages, whether it runs): see core.buil
 from __future__ import annotations
 
 from llmgw import config, wire
-from llmgw.core.builds import BUILD_NAMES
+from llmgw.core.builds import BUILD_NAMES, comfyui_archive
 from llmgw.core.names import NameRuleError, check_element
 
 # The versions this release was checked against. llama.cpp b11434 is the release PyPI's
@@ -69,13 +69,35 @@ def settings_problems(server: config.ServerConfig) -> list[str]:
                 problems.append(f"engine_overrides[{i}].build.{name}: {build!r} is not a "
                                 f"build of {name}; use auto, none or one of "
                                 + ", ".join(BUILD_NAMES[name]))
+    problems += _unpinned_comfyui(server)
     return problems
+
+
+def _unpinned_comfyui(server: config.ServerConfig) -> list[str]:
+    """Every ComfyUI version a node may be asked for needs its archive's sha256 pinned:
+    GitHub publishes none for a tag's source archive, so nothing else could check it."""
+    release = server.engines.get("comfyui")
+    if release is None:
+        return []
+    versions = {release.version} | {o.versions["comfyui"] for o in server.engine_overrides
+                                    if "comfyui" in o.versions}
+    return [f"engines.comfyui.sha256: no sha256 for {comfyui_archive(v)}; GitHub publishes "
+            f"no digest for a tag's source archive, so ComfyUI {v} cannot be checked and "
+            "no node installs it: pin the archive's sha256 there"
+            for v in sorted(v for v in versions if v)
+            if comfyui_archive(v) not in release.sha256]
 
 
 def _wanted(name: str, version: str, build: str, release: config.EngineRelease,
             mirror: str | None) -> wire.EngineWanted:
     publisher, digests = _PUBLISHERS[name]
-    if release.release_url or mirror:
+    if name == "comfyui":
+        # GitHub publishes no digest for a tag's source archive, and a mirror's would only
+        # repeat what it was given: the sha256 pinned in server.yaml is the only one taken.
+        base = release.release_url.rstrip("/") or (
+            f"{mirror.rstrip('/')}/{name}" if mirror else publisher)
+        digests_url = ""
+    elif release.release_url or mirror:
         # The operator's own server or mirror lists its files' digests beside them.
         base = release.release_url.rstrip("/") or f"{(mirror or '').rstrip('/')}/{name}"
         digests_url = f"{base}/{version}/SHA256SUMS"

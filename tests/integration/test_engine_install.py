@@ -9,21 +9,27 @@ builds in its cache (with the shared libraries it loads), serves it as a release
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import http.server
+import itertools
 import platform
 import shutil
 import subprocess
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 
-from llmgw.agent.install.manager import parse_digests
+from llmgw import wire
+from llmgw.agent.install.manager import EngineInstaller, parse_digests
+from llmgw.config import AgentConfig
+from llmgw.core.backoff import RetryPolicy
 from llmgw.core.builds import NodeFacts, candidate_builds
 from llmgw.core.desired_engines import DEFAULT_VERSIONS
 from tests.integration.cluster import wait_for
@@ -243,3 +249,50 @@ def test_digests_are_read_from_sha256sums_and_from_githubs_release_json():
     assert parse_digests(release, "llama-b1-bin-ubuntu-x64.tar.gz") == "c" * 64
     assert parse_digests(release, "llama-b1-bin-ubuntu-arm64.tar.gz") is None
     assert parse_digests("not a list", "x.tar.gz") is None
+
+
+async def test_a_failed_pass_is_retried_backing_off_to_the_cap_and_a_success_starts_over(
+        tmp_path):
+    """The installer's own loop under core.backoff, with a policy in fractions of a second
+    (the node's is a minute backing off to ten). An engine that cannot install (ComfyUI
+    with no sha256 pinned: refused before anything is fetched) fails every pass."""
+    policy = RetryPolicy(first_s=0.25, max_s=1.0)
+    passes: list[float] = []
+    counted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def facts() -> NodeFacts:  # read once per pass, in a worker thread
+        passes.append(time.monotonic())
+        loop.call_soon_threadsafe(counted.set)
+        return NodeFacts("x86_64", gpus=1, gpu_driver="580.82.07",
+                         compute_capabilities=((8, 9),))
+
+    async def until_passes(n: int) -> list[float]:
+        deadline = time.monotonic() + 15
+        while len(passes) < n:
+            counted.clear()
+            if len(passes) < n:
+                await asyncio.wait_for(counted.wait(), max(0.01, deadline - time.monotonic()))
+        return [b - a for a, b in itertools.pairwise(passes)]
+
+    unpinned = wire.InstallEngines(engines=[wire.EngineWanted(
+        name="comfyui", version="0.3.60", release_url="http://127.0.0.1:9/comfyui")])
+    config = AgentConfig(servers=["http://127.0.0.1:9"], state_dir=str(tmp_path),
+                         install_os_packages=False)
+    installer = EngineInstaller(config, set_binary=lambda *_: None, changed=lambda: None,
+                                facts=facts, retry_policy=policy)
+    async with installer:
+        installer.want(unpinned)
+        gaps = await until_passes(5)
+        [failed] = installer.reported()
+        assert failed.state == "failed" and "pin its sha256" in failed.detail
+        # After 0.25, 0.5, then 1.0 and 1.0: capped (doubling on would wait 2.0).
+        assert all(gap >= wait for gap, wait in zip(gaps, (0.25, 0.5, 1.0, 1.0), strict=True))
+        assert gaps[-1] < 1.8, gaps
+        # A pass that succeeds (nothing asked for) forgets the failures: the next failure is
+        # retried after the first delay again, not the cap.
+        installer.want(wire.InstallEngines(engines=[]))
+        await until_passes(6)
+        installer.want(unpinned)
+        gaps = await until_passes(8)
+        assert policy.first_s <= gaps[-1] < policy.max_s - 0.2, gaps

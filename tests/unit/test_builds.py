@@ -173,6 +173,18 @@ def test_comfyui_is_for_nvidia_nodes_with_torch_by_driver():
     assert isinstance(skipped, Refusal) and not skipped.fault
 
 
+def test_comfyui_is_its_tag_archive_beside_an_environment_with_torch_by_driver():
+    cu130, cu129 = candidate_builds("comfyui", "0.3.60", H100_NEW_DRIVER)
+    for build in (cu130, cu129):
+        assert (build.kind, build.asset, build.binary, build.gpu) == (
+            "source", "v0.3.60.tar.gz", "main.py", True)
+        assert build.min_free_mib == 10 * 1024
+    # PyPI's torch is its CUDA 13 build; PyTorch's own index has the CUDA 12.9 one.
+    assert (cu130.torch_index, cu129.torch_index) == (
+        "", "https://download.pytorch.org/whl/cu129")
+    assert cu129.directory == "0.3.60-cu129"
+
+
 def test_a_build_choice_narrows_the_list_to_that_build():
     assert names(candidate_builds("vllm", "0.30.0", H100_NEW_DRIVER, "cu129")) == ["cu129"]
     assert names(candidate_builds("llama.cpp", "b11434", H100_NEW_DRIVER, "vulkan")) == [

@@ -128,6 +128,32 @@ def test_settings_problems_name_the_key_of_a_bad_build_or_a_missing_version():
     assert settings_problems(server()) == []
 
 
+def test_comfyui_takes_only_the_sha256_server_yaml_pins_for_its_tag_archive():
+    pin = {"v0.3.60.tar.gz": "cd" * 32}
+    cfg = server(engines={"comfyui": {"version": "0.3.60", "sha256": pin}})
+    gpu = register(gpus=[H100], installable=[*NEW_AGENT, "comfyui"])
+    [comfyui] = desired_engines(cfg, gpu)
+    assert comfyui.release_url == "https://github.com/comfyanonymous/ComfyUI/archive/refs/tags"
+    assert (comfyui.digests_url, comfyui.sha256) == ("", pin)
+    assert settings_problems(cfg) == []
+    # A mirror serves the archive; its SHA256SUMS is not asked for.
+    [mirrored] = desired_engines(server(engines={"comfyui": {"version": "0.3.60"}},
+                                        engine_mirror="http://mirror.lan/e"), gpu)
+    assert (mirrored.release_url, mirrored.digests_url) == ("http://mirror.lan/e/comfyui", "")
+    # An agent that cannot install it is not asked.
+    assert "comfyui" not in asked(cfg, register(gpus=[H100]))
+
+
+def test_a_comfyui_version_without_a_pinned_sha256_is_named_at_start():
+    cfg = server(engines={"comfyui": {"version": "0.3.60",
+                                      "sha256": {"v0.3.60.tar.gz": "cd" * 32}}},
+                 engine_overrides=[{"gpu_class": "L4", "versions": {"comfyui": "0.3.59"}}])
+    assert settings_problems(cfg) == [
+        "engines.comfyui.sha256: no sha256 for v0.3.59.tar.gz; GitHub publishes no digest "
+        "for a tag's source archive, so ComfyUI 0.3.59 cannot be checked and no node "
+        "installs it: pin the archive's sha256 there"]
+
+
 def test_an_unknown_engine_in_server_yaml_is_a_config_error_naming_the_key():
     with pytest.raises(config.ConfigError, match="engines"):
         server(engines={"vlm": {}})

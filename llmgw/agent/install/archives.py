@@ -145,7 +145,7 @@ def _sweep(root: Path, name: str, version: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-class _Meter:
+class DownloadMeter:
     """Download progress as status lines: the size once, then at most every second."""
 
     def __init__(self, label: str, status: Callable[[str], None]) -> None:
@@ -204,7 +204,7 @@ async def install_archive(session: aiohttp.ClientSession, *, url: str, sha256: s
         await asyncio.to_thread(work.mkdir)
         archive, tree = work / "archive", work / "tree"
         await download(session, url, archive, sha256=digest, max_bytes=MAX_ARCHIVE_BYTES,
-                       progress=_Meter(label, status))
+                       progress=DownloadMeter(label, status))
         status(f"unpacking {label}")
         await asyncio.to_thread(tree.mkdir)
         await asyncio.to_thread(unpack_archive, archive, tree)

@@ -4,7 +4,8 @@ asks for (``wire.InstallEngines``), and says how far it got in the node's own wo
 Each pass takes every engine asked for, works out its builds for this node
 (core.builds, best first), and keeps the first that is already installed or that installs
 and runs: an archive (llama.cpp) through ``archives``, a Python environment (vLLM,
-SGLang) through ``pyenv``, with the OS packages the build needs through ``ospkg``. An
+SGLang) through ``pyenv``, a source archive beside its environment (ComfyUI) through
+``comfyui``, with the OS packages the build needs through ``ospkg``. An
 engine named in agent.yaml is the operator's on purpose: it is never replaced, and is
 reported by the agent as ``configured``. Nothing found on PATH is ever reported.
 
@@ -12,8 +13,9 @@ What the control plane sees, per engine, in ``Inventory.engines``: ``installing`
 downloading llama-b11434-bin-ubuntu-x64.tar.gz (16 MB)"), ``installed``, ``failed``
 ("failed: libgomp.so.1 is missing") or ``skipped`` (nothing to install here, and nothing
 wrong: vLLM on a node without a GPU). Every change calls ``changed``, which makes the agent
-send its inventory. A failed pass is retried after a minute, backing off to ten; installed
-archives are checked again every ten minutes (an upgrade can remove a library).
+send its inventory. A failed pass is retried after a minute, backing off to ten
+(``core.backoff.INSTALL_RETRY``); installed archives are checked again every ten minutes
+(an upgrade can remove a library).
 """
 
 from __future__ import annotations
@@ -29,20 +31,18 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
-from uv import find_uv_bin
 
 from llmgw import wire
 from llmgw.agent.discovery import gpus, host
 from llmgw.agent.install import ospkg
 from llmgw.agent.install.pypi import InstallError
 from llmgw.config import AgentConfig
+from llmgw.core.backoff import INSTALL_RETRY, Retry, RetryPolicy, after_failure
 from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
 
 log = logging.getLogger(__name__)
 
-INSTALLABLE = ("llama.cpp", "sglang", "vllm")
-RETRY_FIRST_S = 60.0
-RETRY_MAX_S = 600.0
+INSTALLABLE = ("comfyui", "llama.cpp", "sglang", "vllm")
 RECHECK_S = 600.0
 _DIGESTS_MAX_BYTES = 4 * 2**20
 _CHECK_TIMEOUT_S = 60.0
@@ -88,7 +88,11 @@ class EngineInstaller:
 
     def __init__(self, config: AgentConfig, *, set_binary: SetBinary,
                  changed: Callable[[], None],
-                 facts: Callable[[], NodeFacts] = node_facts):
+                 facts: Callable[[], NodeFacts] = node_facts,
+                 retry_policy: RetryPolicy = INSTALL_RETRY,
+                 python: str = ENVIRONMENT_PYTHON):
+        """``facts``, ``retry_policy`` and ``python`` (the Python environments are built
+        with) are the node's own unless a test says otherwise."""
         self.root = Path(config.engines_dir or Path(config.state_dir) / "engines")
         self._configured = set(config.engines)
         self._disabled = set(config.disable_engines)
@@ -102,7 +106,9 @@ class EngineInstaller:
         # engine -> (installed directory, build): what shards of it run.
         self._installed: dict[str, tuple[Path, Build]] = {}
         self._wake = asyncio.Event()
-        self._retry_s = RETRY_FIRST_S
+        self._retry_policy = retry_policy
+        self._retry = Retry()
+        self._python = python
         self._task: asyncio.Task | None = None
 
     # --- what the agent asks -------------------------------------------------------------
@@ -208,18 +214,22 @@ class EngineInstaller:
 
     async def _loop(self) -> None:
         next_recheck = time.monotonic() + RECHECK_S
-        delay: float | None = None
         timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_read=60)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             while True:
+                now = time.monotonic()
+                # The next thing due: the ten-minute recheck, or the retry of a failed pass.
+                due = next_recheck if not self._retry.failures else min(
+                    next_recheck, self._retry.not_before)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, due - now))
+                # Woken: a new list, or an install the recheck found broken; both now.
+                asked = self._wake.is_set()
                 self._wake.clear()
                 if time.monotonic() >= next_recheck:
                     next_recheck = time.monotonic() + RECHECK_S
                     await self._recheck()
-                if self._wanted is None:
-                    delay = None
+                if self._wanted is None or not (asked or self._retry.due(time.monotonic())):
                     continue
                 try:
                     ok = await self.converge(http)
@@ -228,12 +238,12 @@ class EngineInstaller:
                     log.exception("an engine install pass failed")
                     ok = False
                 if ok:
-                    self._retry_s = RETRY_FIRST_S
-                    delay = max(0.0, next_recheck - time.monotonic())
+                    self._retry = Retry()
                 else:
-                    delay = min(self._retry_s, max(0.0, next_recheck - time.monotonic()))
-                    log.info("an engine install failed; trying again in %.0f s", delay)
-                    self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+                    self._retry = after_failure(self._retry, time.monotonic(),
+                                                self._retry_policy)
+                    log.info("an engine install failed; trying again in %.0f s",
+                             self._retry.not_before - time.monotonic())
 
     async def _recheck(self) -> None:
         """Installed archives still find every library and still run; any that does not is
@@ -279,6 +289,16 @@ class EngineInstaller:
         current = self._installed.get(want.name)
         if current is not None and current[1] in builds:
             return True
+        unpinned = next((b for b in builds if b.kind == "source" and b.asset not in want.sha256),
+                        None)
+        if unpinned is not None:
+            from llmgw.agent.install import comfyui
+
+            # Said once, not once per build: no build of it can be checked.
+            self._forget(want.name)
+            self._report(want.name, want.version, "failed",
+                         f"failed: {comfyui.no_sha256(want.version, unpinned.asset)}")
+            return False
         failures = []
         for build in builds:
             try:
@@ -307,8 +327,17 @@ class EngineInstaller:
             else:
                 await ospkg.ensure_packages(manager, list(build.needs), status=status)
         # The installers load when a pass needs one (they pull in unpacking, uv…).
-        from llmgw.agent.install import archives, pyenv
+        from llmgw.agent.install import archives, comfyui, pyenv
 
+        extra_indexes = (build.torch_index,) if build.torch_index else ()
+        if build.kind == "source":
+            return await comfyui.install_comfyui(
+                http, root=self.root, version=want.version, directory=build.directory,
+                url=f"{want.release_url}/{build.asset}", sha256=want.sha256.get(build.asset, ""),
+                index_url=want.index_url, extra_index_urls=extra_indexes,
+                exclude_newer=want.exclude_newer, python=self._python,
+                import_check=_IMPORT_CHECKS[want.name], status=status,
+                min_free_bytes=build.min_free_mib * 2**20)
         if build.kind == "python":
             found = pyenv.installed_environment(self.root, want.name, build.directory)
             if found is not None:
@@ -323,10 +352,19 @@ class EngineInstaller:
             if build.gpu:
                 await _lists_a_gpu(_binary_in(path, build))
             return path
+        # The engine resolved as its indexes stood at exclude_newer, pinned with hashes;
+        # torch from PyTorch's own index where the build says (trusted: core.builds).
+        status(f"resolving {want.name} {want.version}")
+        requirements = await pyenv.compile_requirements(
+            f"{want.name}=={want.version}\n", index_url=want.index_url,
+            extra_index_urls=extra_indexes, exclude_newer=want.exclude_newer or None,
+            python=self._python, cache_dir=self.root / ".uv-cache",
+            what=f"{want.name}=={want.version}")
         return await pyenv.build_environment(
             root=self.root, name=want.name, version=build.directory,
-            requirements=await _requirements(want, build), index_url=want.index_url,
-            python=ENVIRONMENT_PYTHON, exclude_newer=want.exclude_newer or None,
+            requirements=requirements, index_url=want.index_url,
+            extra_index_urls=extra_indexes, python=self._python,
+            exclude_newer=want.exclude_newer or None,
             import_check=_IMPORT_CHECKS[want.name], status=status,
             min_free_bytes=build.min_free_mib * 2**20)
 
@@ -357,14 +395,16 @@ class EngineInstaller:
 def _installed_dir(root: Path, build: Build) -> Path | None:
     from llmgw.agent.install import archives, pyenv
 
-    if build.kind == "archive":
-        return archives.installed_archive(root, build.engine, build.directory)
-    return pyenv.installed_environment(root, build.engine, build.directory)
+    if build.kind == "python":
+        return pyenv.installed_environment(root, build.engine, build.directory)
+    return archives.installed_archive(root, build.engine, build.directory)
 
 
 def _binary_in(path: Path, build: Build) -> Path:
     if build.kind == "python":
         return path / "bin" / build.binary
+    if build.kind == "source":
+        return path / build.binary  # main.py; engines/comfyui.py finds venv/ beside it
     from llmgw.agent.install import archives
 
     return archives.find_binary(path, build.binary)
@@ -393,27 +433,5 @@ _IMPORT_CHECKS = {
     # Imports torch's CUDA runtime and asks it to compute on the first GPU.
     "vllm": "import vllm, torch; torch.ones(1, device='cuda').add_(1)",
     "sglang": "import sglang, torch; torch.ones(1, device='cuda').add_(1)",
+    "comfyui": "import torch; torch.ones(1, device='cuda').add_(1)",
 }
-
-
-async def _requirements(want: wire.EngineWanted, build: Build) -> str:
-    """The engine's requirements resolved as its index stood at ``exclude_newer``, pinned
-    with hashes (uv pip compile), for an install that takes nothing else."""
-    if build.torch_index:
-        raise InstallError(f"the {build.name} build of {want.name} takes torch from "
-                           f"{build.torch_index}; this agent installs only builds from "
-                           f"{want.index_url}")
-    argv = [find_uv_bin(), "pip", "compile", "-", "--generate-hashes", "--no-header",
-            "--python-version", ENVIRONMENT_PYTHON, "--index-url", want.index_url,
-            "--no-annotate"]
-    if want.exclude_newer:
-        argv += ["--exclude-newer", want.exclude_newer]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate(f"{want.name}=={want.version}\n".encode())
-    if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip().splitlines()[-5:]
-        raise InstallError(f"resolving {want.name}=={want.version} failed: "
-                           + " / ".join(tail))
-    return out.decode()

@@ -43,6 +43,10 @@ IMPORT_TIMEOUT_S = 600.0  # importing torch and touching the GPU the first time 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
 _PINNED = re.compile(rf"({_NAME})\s*(\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*==\s*"
                      r"([A-Za-z0-9.+!_-]+)\s*(;.*)?")
+# An unpinned requirement, as a source tree's requirements.txt gives them: "numpy>=1.25.0".
+_SPECIFIER = r"(?:~=|===|==|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
+_SPECIFIED = re.compile(rf"{_NAME}\s*(\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*"
+                        rf"(?:{_SPECIFIER}(?:\s*,\s*{_SPECIFIER})*)?\s*(;.*)?")
 _HASH = re.compile(r"sha256:[0-9a-f]{64}")
 _OPTIONS_START = re.compile(r"(?:^|\s)-")
 _COMMENT = re.compile(r"(?:^|\s)#.*$")
@@ -77,8 +81,9 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def _refusal(spec: str, options: str) -> str | None:
-    """Why one requirement line is not a plain, pinned, hashed package from the index."""
+def _refusal(spec: str, options: str, pinned: bool = True) -> str | None:
+    """Why one requirement line is not a plain, pinned, hashed package from the index (with
+    ``pinned`` False: a package from the index, any version specifier, no options)."""
     if not spec:
         option = options.split()[0].split("=")[0]
         if option in ("-e", "--editable"):
@@ -95,6 +100,12 @@ def _refusal(spec: str, options: str) -> str | None:
     if spec.startswith((".", "/", "~")) or "/" in spec.split(";")[0] or "\\" in spec \
             or spec.endswith((".whl", ".tar.gz", ".zip")):
         return "is a path; only packages from the index are taken"
+    if not pinned:
+        if options:
+            return f"has the option {options.split()[0]}; only package names are taken"
+        if not _SPECIFIED.fullmatch(spec):
+            return "is not a package name with version specifiers"
+        return None
     if not _PINNED.fullmatch(spec):
         return "is not pinned to one version with =="
     words = options.replace("=", " ").split()
@@ -109,24 +120,38 @@ def _refusal(spec: str, options: str) -> str | None:
     return None
 
 
-def check_requirements(text: str) -> list[str]:
-    """The packages (``name==version``) of a pinned, hashed requirements text; InstallError
-    naming the first line that is anything else."""
-    packages: list[str] = []
+def _checked_lines(text: str, pinned: bool, what: str) -> list[str]:
+    specs: list[str] = []
     for number, line in _logical_lines(text):
         cut = _OPTIONS_START.search(line)
         spec = line[:cut.start()].strip() if cut else line
         options = line[cut.start():].strip() if cut else ""
-        why = _refusal(spec, options)
+        why = _refusal(spec, options, pinned)
         if why:
             shown = line if len(line) <= 160 else line[:157] + "..."
-            raise InstallError(f"requirements line {number} ({shown}) {why}")
+            raise InstallError(f"{what} line {number} ({shown}) {why}")
+        specs.append(spec)
+    if not specs:
+        raise InstallError(f"the {what} name no packages")
+    return specs
+
+
+def check_requirements(text: str) -> list[str]:
+    """The packages (``name==version``) of a pinned, hashed requirements text; InstallError
+    naming the first line that is anything else."""
+    packages: list[str] = []
+    for spec in _checked_lines(text, True, "requirements"):
         match = _PINNED.fullmatch(spec)
         assert match is not None
         packages.append(f"{match[1]}=={match[3]}")
-    if not packages:
-        raise InstallError("the requirements name no packages")
     return packages
+
+
+def check_source_requirements(text: str, what: str) -> list[str]:
+    """The requirements of a source tree (``numpy>=1.25.0``, ``torch``), each a package from
+    the index with version specifiers at most; InstallError naming the first line that is
+    a URL, a path, a VCS reference, an option or anything else. ``what`` names the file."""
+    return _checked_lines(text, False, what)
 
 
 # --- building ----------------------------------------------------------------------------
@@ -177,6 +202,48 @@ def _failure(what: str, result: CommandResult) -> InstallError:
     start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
     said = "\n".join(lines[start:] if start is not None else lines[-12:]).strip()
     return InstallError(f"{what} failed (exit {result.returncode}): {said}")
+
+
+def _python_option(python: str) -> list[str]:
+    """uv's way to name the Python to resolve for: a version ("3.12") or an interpreter."""
+    return ["--python-version" if re.fullmatch(r"\d+(\.\d+)*", python) else "--python",
+            python]
+
+
+async def compile_requirements(requirements: str, *, index_url: str,
+                               extra_index_urls: Sequence[str] = (),
+                               exclude_newer: str | None, python: str,
+                               cache_dir: Path, what: str = "the requirements") -> str:
+    """``requirements`` (packages from the index, any specifiers) resolved as the indexes
+    stood at ``exclude_newer``, pinned with the sha256 of every file (``uv pip compile
+    --generate-hashes``): the text ``build_environment`` takes. The indexes are the
+    caller's (trusted configuration), never the requirements' own."""
+    argv = [find_uv_bin(), "pip", "compile", "-", "--no-config", "--generate-hashes",
+            "--no-header", "--no-annotate", *_python_option(python), "--index-url", index_url]
+    for extra in extra_index_urls:
+        argv += ["--extra-index-url", extra]
+    if exclude_newer:
+        argv += ["--exclude-newer", exclude_newer]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=_uv_env(cache_dir))
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(requirements.encode()),
+                                          VENV_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise InstallError(f"resolving {what} took over {VENV_TIMEOUT_S:.0f} s; "
+                           f"is {index_url} reachable?") from None
+    if proc.returncode != 0:
+        lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
+        # uv's report starts at "error:" (or a cross, U+00D7, on a resolution); before it
+        # is progress.
+        start = next((i for i, line in enumerate(lines)
+                      if line.startswith(("error:", "\u00d7"))), max(0, len(lines) - 8))
+        raise InstallError(f"resolving {what} failed: "
+                           + " / ".join(line.strip() for line in lines[start:][:12]))
+    return out.decode()
 
 
 async def build_environment(*, root: Path, name: str, version: str, requirements: str,
