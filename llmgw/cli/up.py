@@ -240,8 +240,11 @@ def up(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    # From the start: a SIGTERM during the first build must stop the build too.
+    # From the start: a SIGTERM during the first build must stop the build too. SIGINT
+    # explicitly as well: started in the background by a script (`llmgw up &`), it
+    # arrives ignored, and Ctrl-C or `kill -INT` would then stop nothing.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:

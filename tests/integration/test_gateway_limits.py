@@ -48,9 +48,11 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
     prefix = next(k["prefix"] for k in keys if key.startswith(k["prefix"]))
 
     def recorded():
+        # Usage is written in batches once a second: wait for all three requests, which
+        # may span two batches.
         usage = c.admin("GET", f"/api/keys/{prefix}/usage").json()
-        return usage["models"] and usage
-    usage = wait_for(recorded, 10, "the usage to be written")
+        return sum(m["requests"] for m in usage["models"]) >= 3 and usage
+    usage = wait_for(recorded, 10, "the usage of three requests to be written")
     [model] = usage["models"]
     assert model["model"] == "sim-small" and model["requests"] == 3
     # The sim counts prompt words and generated tokens; the stream's usage came from its
