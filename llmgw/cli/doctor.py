@@ -8,13 +8,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from llmgw.agent import doctor
 from llmgw.config import AgentConfig, ConfigError, load
+
+if TYPE_CHECKING:  # loaded when doctor runs: the other subcommands need none of it
+    from llmgw.agent import doctor
 
 _STYLE = {"blocking": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 _DESCRIPTION = (
@@ -58,6 +61,8 @@ def run_check(config: AgentConfig, json_output: bool) -> int:
 
 def check(config: AgentConfig | None, servers: Sequence[str] | None, json_output: bool,
           sources: doctor.Sources | None = None) -> int:
+    from llmgw.agent import doctor
+
     facts = doctor.gather(config, servers, sources)
     findings = doctor.checks(facts, config)
     capabilities = doctor.can_run(facts, config)
@@ -70,6 +75,8 @@ def check(config: AgentConfig | None, servers: Sequence[str] | None, json_output
 
 def report(facts: doctor.Facts, findings: Sequence[doctor.Finding],
            capabilities: Sequence[doctor.Capability], config: AgentConfig | None) -> dict:
+    from llmgw.agent import doctor
+
     return {
         "node": describe(facts, config),
         "can_run": [{"engine": c.engine, "build": c.build, "can": c.can, "why": c.why}

@@ -17,8 +17,6 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw.config import ConfigError, ServerConfig, load
-from llmgw.store import StoreError, ops
-from llmgw.store.lock import hold_state_lock
 
 DEFAULT_CONFIG = "/etc/llmgw/server.yaml"
 _RESTART = "start the server again, e.g. `systemctl start llmgw-server`"
@@ -91,6 +89,8 @@ def _command(action, *, locked: bool = True):
 
     def run(args: argparse.Namespace) -> int:
         from llmgw.server.run import store_url  # the server's imports, only when needed
+        from llmgw.store import StoreError, ops  # here: `llmgw agent` does not load the store
+        from llmgw.store.lock import hold_state_lock
 
         try:
             config = load(args.config, ServerConfig)
@@ -115,6 +115,7 @@ def _locked(action):
 # server keeps writing, so a backup needs no downtime.
 @functools.partial(_command, locked=False)
 def _backup(args: argparse.Namespace, url: str) -> None:
+    from llmgw.store import ops
     dest = asyncio.run(ops.backup(url, args.path, overwrite=args.overwrite))
     size = dest.stat().st_size
     print(f"backed up {ops.mask(url)} to {dest} ({_size(size)}, mode 0600)")
@@ -122,6 +123,7 @@ def _backup(args: argparse.Namespace, url: str) -> None:
 
 @_locked
 def _restore(args: argparse.Namespace, url: str) -> None:
+    from llmgw.store import ops
     kept = asyncio.run(ops.restore(url, args.path))
     aside = f"; the database it replaced is kept as {kept}" if kept else ""
     print(f"restored {args.path} into {ops.mask(url)}{aside}; {_RESTART}")
@@ -129,6 +131,7 @@ def _restore(args: argparse.Namespace, url: str) -> None:
 
 @_locked
 def _migrate(args: argparse.Namespace, url: str) -> None:
+    from llmgw.store import StoreError, ops
     if ops.backend(url) == "postgresql":
         raise StoreError(
             f"the store is already on PostgreSQL ({ops.mask(url)}); moving "
