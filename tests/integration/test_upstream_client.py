@@ -332,3 +332,27 @@ async def test_an_ipv6_engine_gets_a_bracketed_host_header():
         await pool.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_an_engine_gone_leaves_no_entry_in_the_pool():
+    release = asyncio.Event()
+
+    async def answer_then_go(reader, writer, n):
+        writer.write(OK)
+        await writer.drain()
+        await release.wait()
+        return False  # the engine closes its keep-alive connection, as one that stops does
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answer_then_go) as engine:
+        answer = await _post(pool, engine.port)
+        await answer.read()
+        answer.close()
+        assert len(pool._idle) == 1
+        release.set()
+        for _ in range(200):  # 2 s at most: the pool drops the connection and the address
+            if not pool._idle:
+                break
+            await asyncio.sleep(0.01)
+    assert pool._idle == {}
+    await pool.close()

@@ -125,8 +125,14 @@ class Pool:
 
     def _forget(self, conn: _Connection) -> None:
         idle = self._idle.get(conn.address)
-        if idle and conn in idle:
+        if idle is None:
+            return
+        if conn in idle:
             idle.remove(conn)
+        if not idle:
+            # Replicas come and go on new ports: keep no entry for an address with no
+            # connection left.
+            del self._idle[conn.address]
 
     async def close(self) -> None:
         self._closed = True
