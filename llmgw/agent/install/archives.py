@@ -134,15 +134,30 @@ def recheck(path: Path, binary: str) -> list[str]:
     return []
 
 
-def _free_bytes(root: Path) -> int:
-    st = os.statvfs(root)
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 
-def _sweep(root: Path, name: str, version: str) -> None:
-    """Remove what an earlier, interrupted install of this name and version left."""
-    for leftover in root.glob(f"{_SCRATCH_PREFIX}{name}@{version}@*"):
+def sweep_scratch(root: Path, prefix: str) -> None:
+    """Remove what an earlier, interrupted install left: scratch directories named
+    ``<prefix>...@<random>`` ('@' is in no valid name, so a sweep finds only its own)."""
+    for leftover in root.glob(f"{prefix}@*"):
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+async def make_room(root: Path, name: str, version: str, min_free_bytes: int) -> None:
+    """Create ``root`` and refuse, with the figures, when it has less than
+    ``min_free_bytes`` free: before anything is downloaded or built."""
+    try:
+        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+        free = await asyncio.to_thread(free_bytes, root)
+    except OSError as err:
+        raise InstallError(f"installing {name} {version}: cannot use {root}: "
+                           f"{err.strerror}") from None
+    if free < min_free_bytes:
+        raise InstallError(f"{name} needs {size_text(min_free_bytes)} free in {root}; "
+                           f"{size_text(free)} is")
 
 
 class DownloadMeter:
@@ -188,16 +203,8 @@ async def install_archive(session: aiohttp.ClientSession, *, url: str, sha256: s
             return existing
         status(f"reinstalling {name} {version}: {'; '.join(problems)}")
 
-    try:
-        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
-        free = await asyncio.to_thread(_free_bytes, root)
-    except OSError as err:
-        raise InstallError(f"installing {name} {version}: cannot use {root}: "
-                           f"{err.strerror}") from None
-    if free < min_free_bytes:
-        raise InstallError(f"{name} needs {size_text(min_free_bytes)} free in {root}; "
-                           f"{size_text(free)} is")
-    await asyncio.to_thread(_sweep, root, name, version)
+    await make_room(root, name, version, min_free_bytes)
+    await asyncio.to_thread(sweep_scratch, root, f"{_SCRATCH_PREFIX}{name}@{version}")
     work = root / f"{_SCRATCH_PREFIX}{name}@{version}@{secrets.token_hex(4)}"
     target = root / name / version
     try:
@@ -224,7 +231,7 @@ async def install_archive(session: aiohttp.ClientSession, *, url: str, sha256: s
                   "version_output": output,
                   "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
         await asyncio.to_thread((tree / MARKER).write_text, json.dumps(marker, indent=1))
-        await asyncio.to_thread(_replace, tree, target, work / "old")
+        await asyncio.to_thread(put_in_place, tree, target, work / "old")
     except OSError as err:
         raise InstallError(f"installing {name} {version} in {root}: "
                            f"{err.strerror or err}") from None
@@ -234,7 +241,7 @@ async def install_archive(session: aiohttp.ClientSession, *, url: str, sha256: s
     return target
 
 
-def _replace(tree: Path, target: Path, aside: Path) -> None:
+def put_in_place(tree: Path, target: Path, aside: Path) -> None:
     """Rename ``tree`` to ``target``; whatever was there (a broken install) moves to
     ``aside``, which the caller removes."""
     target.parent.mkdir(exist_ok=True)

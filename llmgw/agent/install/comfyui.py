@@ -40,6 +40,8 @@ from llmgw.agent.install.archives import (
     checked_name_version,
     find_binary,
     installed_archive,
+    put_in_place,
+    sweep_scratch,
 )
 from llmgw.agent.install.download import check_sha256, download, shown
 from llmgw.agent.install.pyenv import (
@@ -102,7 +104,7 @@ async def install_comfyui(http: aiohttp.ClientSession, *, root: Path, version: s
         return existing
     try:
         await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
-        await asyncio.to_thread(_sweep, root, directory)
+        await asyncio.to_thread(sweep_scratch, root, f"{_SCRATCH_PREFIX}{NAME}@{directory}")
         work = root / f"{_SCRATCH_PREFIX}{NAME}@{directory}@{secrets.token_hex(4)}"
         await asyncio.to_thread(work.mkdir)
     except OSError as err:
@@ -148,7 +150,7 @@ async def install_comfyui(http: aiohttp.ClientSession, *, root: Path, version: s
                   "exclude_newer": cutoff, "import_check": import_check,
                   "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
         await asyncio.to_thread((source / MARKER).write_text, json.dumps(marker, indent=1))
-        await asyncio.to_thread(_replace, source, target, work / "old")
+        await asyncio.to_thread(put_in_place, source, target, work / "old")
     except OSError as err:
         raise InstallError(f"installing ComfyUI {version} in {root}: "
                            f"{err.strerror or err}") from None
@@ -178,14 +180,5 @@ def _read_requirements(path: Path, what: str) -> str:
     return path.read_text(errors="replace")
 
 
-def _sweep(root: Path, directory: str) -> None:
-    """Remove what an earlier, interrupted install of this build left."""
-    for leftover in root.glob(f"{_SCRATCH_PREFIX}{NAME}@{directory}@*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _replace(source: Path, target: Path, aside: Path) -> None:
-    target.parent.mkdir(exist_ok=True)
-    if os.path.lexists(target):
-        os.rename(target, aside)
-    os.rename(source, target)

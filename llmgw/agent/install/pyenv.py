@@ -28,10 +28,16 @@ from pathlib import Path
 
 from uv import find_uv_bin
 
-from llmgw.agent.install.archives import MARKER, checked_name_version, installed_archive
+from llmgw.agent.install.archives import (
+    MARKER,
+    checked_name_version,
+    installed_archive,
+    make_room,
+    put_in_place,
+    sweep_scratch,
+)
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
-from llmgw.agent.weights.manifest import size_text
 
 REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
 RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
@@ -157,11 +163,6 @@ def check_source_requirements(text: str, what: str) -> list[str]:
 # --- building ----------------------------------------------------------------------------
 
 
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 def _uv_env(cache: Path) -> dict[str, str]:
     """The agent's environment without anything that would steer uv or pip elsewhere."""
     env = {k: v for k, v in os.environ.items()
@@ -265,19 +266,11 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
     existing = installed_environment(root, name, version)
     if existing is not None:
         return existing
-    try:
-        await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
-        free = await asyncio.to_thread(_free_bytes, root)
-    except OSError as err:
-        raise InstallError(f"installing {name} {version}: cannot use {root}: "
-                           f"{err.strerror}") from None
-    if free < min_free_bytes:
-        raise InstallError(f"{name} needs {size_text(min_free_bytes)} free in {root}; "
-                           f"{size_text(free)} is")
+    await make_room(root, name, version, min_free_bytes)
     cache = cache_dir or root / ".uv-cache"
     env = _uv_env(cache)
     uv = find_uv_bin()
-    await asyncio.to_thread(_sweep, root, name, version)
+    await asyncio.to_thread(sweep_scratch, root, f"{_SCRATCH_PREFIX}{name}@{version}")
     work = root / f"{_SCRATCH_PREFIX}{name}@{version}@{secrets.token_hex(4)}"
     scratch_python = str(work / "bin" / "python")
     target = root / name / version
@@ -324,7 +317,7 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
                   "hashes": "every package matched its --hash", "import_check": import_check,
                   "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
         await asyncio.to_thread((work / MARKER).write_text, json.dumps(marker, indent=1))
-        await asyncio.to_thread(_replace, work, target, root / f"{work.name}.old")
+        await asyncio.to_thread(put_in_place, work, target, root / f"{work.name}.old")
     except OSError as err:
         raise InstallError(f"installing {name} {version} in {root}: "
                            f"{err.strerror or err}") from None
@@ -335,16 +328,5 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
     return target
 
 
-def _sweep(root: Path, name: str, version: str) -> None:
-    """Remove what an earlier, interrupted build of this name and version left."""
-    for leftover in root.glob(f"{_SCRATCH_PREFIX}{name}@{version}@*"):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _replace(work: Path, target: Path, aside: Path) -> None:
-    """Rename ``work`` to ``target``; whatever was there (an unfinished environment) moves
-    to ``aside``, which the caller removes."""
-    target.parent.mkdir(exist_ok=True)
-    if os.path.lexists(target):
-        os.rename(target, aside)
-    os.rename(work, target)
