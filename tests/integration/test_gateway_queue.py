@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -43,7 +44,11 @@ def test_a_full_replica_queues_then_refuses_with_429(cluster):
 
     t = threading.Thread(target=waiting)
     t.start()
-    time.sleep(0.3)
+
+    def queued() -> bool:  # the waiter is in the queue, as /metrics shows it
+        text = httpx.get(f"{cluster.base_url}/metrics", timeout=5).text
+        return 'llmgw_queue_length{model="sim-one"} 1.0' in text
+    wait_for(queued, 5, "the second request to wait in the queue")
     started = time.monotonic()
     with pytest.raises(openai.RateLimitError) as full:
         client.chat.completions.create(model="sim-one", max_tokens=1,
