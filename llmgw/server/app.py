@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from litestar import Litestar, Request, Response, get
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.types import ASGIApp
 
 from llmgw.config import ServerConfig
 from llmgw.core import reconcile
@@ -45,6 +46,11 @@ class Server:
     app: Litestar
     controller: Controller
     router: Router
+
+    @property
+    def asgi(self) -> ASGIApp:
+        """What the HTTP server runs: the gateway's POSTs first, then Litestar."""
+        return openai_routes.gateway_first(self.app, self.app.state)
 
 
 @get("/healthz")

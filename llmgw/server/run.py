@@ -83,7 +83,7 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
         # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
         granian, url = make_server(
-            server.app, config.listen, interface=Interfaces.ASGI, websockets=True,
+            server.asgi, config.listen, interface=Interfaces.ASGI, websockets=True,
             log_enabled=False, **ssl_options,
         )
         if tls:
