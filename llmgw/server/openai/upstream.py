@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 
 import httptools
@@ -27,6 +28,14 @@ KEPT_HEADERS = frozenset({b"content-type", b"cache-control"})
 _HIGH_WATER = 256 * 1024
 # Idle keep-alive connections kept per engine address.
 _MAX_IDLE = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_header(host: str, port: int) -> bytes:
+    """``host:port`` as the Host header has it (IPv6 in brackets), once per engine address:
+    the idna codec is pure Python and would cost more than the rest of the request head."""
+    name = f"[{host}]".encode() if ":" in host else host.encode("idna")
+    return name + b":" + str(port).encode()
 
 
 class UpstreamError(Exception):
@@ -68,9 +77,8 @@ class Pool:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, each read
         under ``idle_timeout_s`` when given."""
-        name = f"[{host}]".encode() if ":" in host else host.encode("idna")  # IPv6 in []
         head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
-                         name, b":", str(port).encode(),
+                         _host_header(host, port),
                          b"\r\ncontent-type: application/json\r\naccept: ", accept,
                          b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n"))
         payload = head + body
