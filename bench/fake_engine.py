@@ -7,18 +7,18 @@
   costs it little more than the event loop's wake-up and the loopback TCP (the issue
   measured about 10 µs; on a busy two-core machine it reads 30 to 50 µs): what a gateway
   adds is then most of what there is to measure.
-- ``proxy``: the floor, a bare L7 proxy to one upstream: it parses each request's head and
-  body, forwards it over a pooled keep-alive connection, and relays the answer, a
-  chunked stream chunk by chunk as it comes. It reads no field of the body (a gateway must
-  read ``model`` and ``stream`` to route; with msgspec that is about 1 µs).
+- ``proxy``: the floor, the issue's bare Python L7 proxy (uvloop and httptools) to one
+  upstream: it parses each request's head and body, forwards it over a pooled keep-alive
+  connection, and relays the answer, a chunked stream chunk by chunk straight from the
+  upstream's socket callback to the client's. It reads no field of the body (a gateway
+  must read ``model`` and ``stream`` to route; with msgspec that is about 1 µs).
 
-Both share the minimal HTTP/1.1 parsing below: keep-alive, ``content-length`` bodies and
-chunked answers, nothing else (no pipelining, no ``expect``, no trailers). They use plain
-asyncio streams on the default event loop: uvloop and httptools are not installed in this
-project's environment, and the bench adds no dependency.
+The engine keeps its minimal HTTP/1.1 parsing on plain asyncio streams: keep-alive,
+``content-length`` bodies, nothing else (no pipelining, no ``expect``, no trailers); its
+CPU is measured but is not what the bench compares. Neither imports anything of llmgw, so
+the processes start fast and carry no weight a gateway would not.
 
-Only the standard library is imported, so the processes start fast and carry no weight a
-gateway would not. Run as ``python bench/fake_engine.py engine --host H --port P`` (other
+Run as ``python bench/fake_engine.py engine --host H --port P`` (other
 flags, such as those llmgw's llama.cpp adapter passes, are ignored) or ``... proxy --port P
 --upstream HOST:PORT``.
 """
@@ -32,6 +32,9 @@ import json
 import re
 import signal
 import time
+
+import httptools
+import uvloop
 
 _STREAM_RE = re.compile(rb'"stream"\s*:\s*true')
 # A connection that ends, or one cut short when the process stops (asyncio.run cancels the
@@ -128,70 +131,154 @@ class FakeEngine:
 
 
 class FloorProxy:
-    """Every request to one upstream, over a pool of idle keep-alive connections."""
+    """Every request to one upstream, over a pool of idle keep-alive connections.
+
+    Protocols on uvloop, parsed by httptools, the way the issue measured the floor: a
+    request is forwarded when its body is complete; the answer's head is written to the
+    client when the upstream's head is parsed, and a chunked answer chunk by chunk from
+    the upstream's ``data_received``, with no task or await between the two sockets."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
         self.host_header = f"{host}:{port}".encode()
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.idle: list[_FloorUpstream] = []
 
-    async def _upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    def connection(self) -> _FloorClient:
+        return _FloorClient(self)
+
+    def forward(self, request: bytes, client: _FloorClient) -> None:
         while self.idle:
-            reader, writer = self.idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
-            writer.close()
-        return await asyncio.open_connection(self.host, self.port)
+            upstream = self.idle.pop()
+            if not upstream.transport.is_closing():
+                upstream.send(request, client)
+                return
+        asyncio.get_running_loop().create_task(self._connect(request, client))
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connect(self, request: bytes, client: _FloorClient) -> None:
         try:
-            while True:
-                method, path, headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
-                length = int(headers.get(b"content-length", b"0"))
-                body = await reader.readexactly(length) if length else b""
-                await self._forward(method, path, headers, body, writer)
-                if headers.get(b"connection", b"").lower() == b"close":
-                    break
-        except _CLOSED:
-            pass
-        finally:
-            writer.close()
+            _, upstream = await asyncio.get_running_loop().create_connection(
+                lambda: _FloorUpstream(self), self.host, self.port)
+        except OSError:
+            client.transport.close()
+            return
+        upstream.send(request, client)
 
-    async def _forward(self, method: bytes, path: bytes, headers: dict[bytes, bytes],
-                       body: bytes, client: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await self._upstream()
-        up_writer.write(
-            method + b" " + path + b" HTTP/1.1\r\nhost: " + self.host_header
-            + b"\r\ncontent-type: " + headers.get(b"content-type", b"application/json")
-            + b"\r\naccept: " + headers.get(b"accept", b"*/*")
-            + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        head = await up_reader.readuntil(b"\r\n\r\n")
-        _, _, up_headers = parse_head(head)
-        if up_headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            client.write(head)
-            while True:
-                size_line = await up_reader.readuntil(b"\r\n")
-                size = int(size_line[:-2].split(b";", 1)[0], 16)
-                data = await up_reader.readexactly(size + 2)
-                client.write(size_line + data)
-                await client.drain()
-                if size == 0:
-                    break
+
+class _FloorClient(asyncio.Protocol):
+    """One client connection: parse a request, hand it to the proxy, one at a time."""
+
+    def __init__(self, proxy: FloorProxy):
+        self.proxy = proxy
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self.body)
+        headers = self.headers
+        request = (self.parser.get_method() + b" " + self.url + b" HTTP/1.1\r\nhost: "
+                   + self.proxy.host_header + b"\r\ncontent-type: "
+                   + headers.get(b"content-type", b"application/json") + b"\r\naccept: "
+                   + headers.get(b"accept", b"*/*") + b"\r\ncontent-length: "
+                   + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.url, self.headers, self.body = b"", {}, []
+        self.proxy.forward(request, self)
+
+
+class _FloorUpstream(asyncio.Protocol):
+    """One keep-alive connection to the upstream, relaying each answer to its client."""
+
+    def __init__(self, proxy: FloorProxy):
+        self.proxy = proxy
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.client: _FloorClient | None = None
+        self.headers: list[bytes] = []
+        self.chunked = False
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, request: bytes, client: _FloorClient) -> None:
+        self.client = client
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is not None:
+            self.client.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"transfer-encoding":
+            self.chunked = value.lower() == b"chunked"
+        elif name == b"content-type" or name == b"cache-control":
+            self.headers.append(name + b": " + value + b"\r\n")
+
+    def on_headers_complete(self) -> None:
+        if self.chunked:
+            self.client.transport.write(self._head(b"transfer-encoding: chunked\r\n"))
+
+    def _head(self, framing: bytes) -> bytes:
+        status = self.parser.get_status_code()
+        return b"HTTP/1.1 %d OK\r\n%s%s\r\n" % (status, b"".join(self.headers), framing)
+
+    def on_body(self, body: bytes) -> None:
+        if self.chunked:
+            self.client.transport.write(_chunk(body))
         else:
-            length = int(up_headers.get(b"content-length", b"0"))
-            client.write(head + (await up_reader.readexactly(length) if length else b""))
-            await client.drain()
-        if up_headers.get(b"connection", b"").lower() == b"close":
-            up_writer.close()
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        client = self.client
+        if self.chunked:
+            client.transport.write(b"0\r\n\r\n")
         else:
-            self.idle.append((up_reader, up_writer))
+            body = b"".join(self.body)
+            client.transport.write(
+                self._head(b"content-length: %d\r\n" % len(body)) + body)
+        self.client, self.headers, self.chunked, self.body = None, [], False, []
+        if self.parser.should_keep_alive():
+            self.proxy.idle.append(self)
+        else:
+            self.transport.close()
 
 
 # --- running -------------------------------------------------------------------------------
 
 
 async def _serve(handler, host: str, port: int) -> None:
-    server = await asyncio.start_server(handler, host, port, backlog=1024)
+    if isinstance(handler, FloorProxy):
+        server = await asyncio.get_running_loop().create_server(
+            handler.connection, host, port, backlog=1024)
+    else:
+        server = await asyncio.start_server(handler, host, port, backlog=1024)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -221,9 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         handler = FakeEngine(args.alias, max(1, args.events), args.gap_ms / 1e3).serve
     else:
         host, _, port = args.upstream.rpartition(":")
-        handler = FloorProxy(host, int(port)).serve
+        handler = FloorProxy(host, int(port))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(handler, args.host, args.port))
+        if args.role == "engine":
+            asyncio.run(_serve(handler, args.host, args.port))
+        else:
+            uvloop.run(_serve(handler, args.host, args.port))
     return 0
 
 
