@@ -249,6 +249,7 @@ def plan(
         if wanted == 0:
             continue
         if model.name in failed_now:
+            # The failed replica's shards still hold its room in this pass.
             unplaced[model.name] = "a replica just failed; restarting after the backoff"
             continue
         backoff = backoffs.get(model.name, Backoff())
@@ -258,13 +259,15 @@ def plan(
                 f"{'s' if backoff.failures != 1 else ''}, next try in "
                 f"{backoff.not_before - now:.0f} s"
             )
+            # Its room stays its own while it waits: the models after it (none more
+            # important) do not take what it would take now, only to be evicted for it.
+            for placement in place_replicas(model, nodes, usage, policy.strategy, wanted)[0]:
+                _take(usage, placement)
             continue
         placements, refusals = place_replicas(model, nodes, usage, policy.strategy, wanted)
         for placement in placements:
             actions.append(Place(placement))
-            for shard in placement.shards:
-                usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
-                    shard.gpus, placement.ports_on(shard.node_id))
+            _take(usage, placement)
         if len(placements) == wanted:
             continue
         if held and place_model(model, nodes, _minus(usage, held),
@@ -288,6 +291,13 @@ def plan(
             continue
         unplaced[model.name] = PlacementResult(None, refusals).describe()
     return Plan(tuple(actions), unplaced)
+
+
+def _take(usage: dict[str, NodeUsage], placement: Placement) -> None:
+    """Count ``placement``'s GPUs and ports as used in this pass."""
+    for shard in placement.shards:
+        usage[shard.node_id] = usage.get(shard.node_id, NodeUsage()).plus(
+            shard.gpus, placement.ports_on(shard.node_id))
 
 
 def after_failure(backoff: Backoff, now: float, policy: Policy) -> Backoff:

@@ -429,3 +429,22 @@ def test_plan_works_on_a_thousand_nodes() -> None:
 
     chosen = [a.placement.shards[0].node_id for a in of_type(result, Place)]
     assert len(chosen) == len(set(chosen)) == 20
+
+
+def test_a_model_waiting_out_its_backoff_keeps_its_room_from_lower_priorities() -> None:
+    # Eight GPUs: "low" holds four, "high" crashed out of the other four and waits.
+    high = Model("high", (Profile("tp4", "vllm", gpus=4, startup_timeout_s=60.0),),
+                 priority=10)
+    low = Model("low", (Profile("tp4", "vllm", gpus=4, startup_timeout_s=60.0),),
+                replicas=2)
+    running = [replica("low-1", ("node01", (0, 1, 2, 3), 8000), model="low", profile="tp4")]
+    backoffs = {"high": Backoff(failures=1, not_before=NOW + 5)}
+
+    waiting = plan(catalog(high, low), [h100_8x80g("node01")], running, backoffs, NOW)
+    due = plan(catalog(high, low), [h100_8x80g("node01")], running, backoffs, NOW + 5)
+
+    # Not placed for "low", to be evicted for "high" a moment later.
+    assert of_type(waiting, Place) == []
+    assert waiting.unplaced["high"] == "restarting after 1 failure, next try in 5 s"
+    assert "low" in waiting.unplaced
+    assert [a.placement.model for a in of_type(due, Place)] == ["high"]
