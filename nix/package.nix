@@ -6,8 +6,9 @@
 # buildPythonApplication's would be the bare interpreter.
 #
 # Every dependency is in nixpkgs (python3Packages): litestar, msgspec, sqlalchemy,
-# alembic, aiosqlite, asyncpg, granian, aiohttp, psutil, pyyaml, rich, uv, argon2-cffi,
-# nvidia-ml-py, pyroute2, dbus-fast, cryptography, prometheus-client, httptools — at
+# alembic, aiosqlite, asyncpg, uvicorn, websockets, uvloop, httptools, aiohttp, psutil,
+# pyyaml, rich, uv, argon2-cffi, nvidia-ml-py, pyroute2, dbus-fast, cryptography,
+# prometheus-client — at
 # nixpkgs' versions, which are not uv.lock's (pythonRelaxDeps). Not built here: this
 # repository's CI has no nixpkgs (docs/nixos.md, "What is checked").
 { lib, python3 }:

@@ -7,10 +7,8 @@ outlives every server process, so while one stops and the next starts, the kerne
 accepting connections into its queue and the next server answers them: a restart or an
 upgrade refuses no connection.
 
-granian's embedded server always binds its own socket; ``_InheritedSocketServer`` gives it
-the inherited one instead, the way granian itself does on platforms where it shares one
-socket between workers (a ``SocketHolder`` in place of a ``ListenerSpec``). That overrides
-one private method of granian 2.8 (pinned in pyproject.toml): check it when granian moves.
+Either way the server is handed a listening socket (``listening_socket``): uvicorn serves
+the socket it is given.
 """
 
 from __future__ import annotations
@@ -20,10 +18,6 @@ import os
 import socket
 import stat
 from collections.abc import MutableMapping
-from typing import Any
-
-from granian.net import SocketHolder
-from granian.server.embed import Server as Granian
 
 from llmgw.config import ConfigError, Listen
 
@@ -120,34 +114,28 @@ def check_matches(sock: socket.socket, listen: Listen) -> None:
             "llmgw-server.socket's ListenStream= and listen agree")
 
 
-class _InheritedSocketServer(Granian):
-    def __init__(self, target: Any, sock: socket.socket, **options: Any):
-        host, port = sock.getsockname()[:2]
-        super().__init__(target, address=host, port=port, **options)
-        self._inherited = sock
-
-    def _init_shared_socket(self) -> None:
-        # What granian's AbstractServer does off Linux: workers serve a shared socket.
-        self._ssp = None
-        self._shd = SocketHolder(self._inherited.detach(), False, self.backlog)
-        self._sfd = self._shd.get_fd()
-
-
-def make_server(target: Any, listen: Listen, **options: Any) -> tuple[Granian, str]:
-    """granian's embedded server for ``target``, on the socket systemd passed if it passed
-    one, else bound to ``listen``; and the URL it serves on, for the log."""
+def listening_socket(listen: Listen) -> tuple[socket.socket, str]:
+    """The socket systemd passed, if it passed one, else a new one bound to ``listen``; and
+    where it listens, for the log."""
     sock = inherited_listener()
-    if sock is None:
-        server = Granian(target, address=listen.host, port=listen.port, **options)
-        return server, f"http://{_url_host(listen.host)}:{listen.port}"
+    if sock is not None:
+        try:
+            check_matches(sock, listen)
+        except ListenError:
+            sock.detach()
+            raise
+        host, port = sock.getsockname()[:2]
+        return sock, f"{_url_host(host)}:{port} (socket passed by systemd)"
+    host = listen.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        check_matches(sock, listen)
-    except ListenError:
-        sock.detach()
-        raise
-    host, port = sock.getsockname()[:2]
-    server = _InheritedSocketServer(target, sock, **options)
-    return server, f"http://{_url_host(host)}:{port} (socket passed by systemd)"
+        sock = socket.create_server((host, listen.port), family=family, backlog=2048)
+    except OSError as err:
+        raise ListenError(f"cannot listen on {_url_host(host)}:{listen.port}: "
+                          f"{err.strerror or err}; change listen in server.yaml or stop what "
+                          "holds that port") from None
+    sock.set_inheritable(False)
+    return sock, f"{_url_host(host)}:{listen.port}"
 
 
 def _url_host(host: str) -> str:

@@ -1,4 +1,4 @@
-"""``llmgw server``: open the store, load the catalog, and serve on granian."""
+"""``llmgw server``: open the store, load the catalog, and serve (llmgw.server.http)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import logging
 import signal
 from pathlib import Path
 
-from granian.constants import Interfaces
-
 from llmgw.config import ConfigError, ServerConfig
 from llmgw.core.catalog import Catalog, catalog_from_config
 from llmgw.core.names import is_loopback_host
@@ -17,7 +15,8 @@ from llmgw.server.admin.models import sync_declared
 from llmgw.server.agents.mtls import AgentListener, LiveStreams
 from llmgw.server.app import build
 from llmgw.server.auth import load_or_create_admin_token
-from llmgw.server.listen import make_server
+from llmgw.server.http import make_server
+from llmgw.server.listen import listening_socket
 from llmgw.store import Store, open_store, sqlite_url
 from llmgw.store.lock import hold_state_lock
 
@@ -34,11 +33,6 @@ async def sync_catalog(store: Store, config: ServerConfig) -> Catalog:
     catalog = await sync_declared(store, config)
     log.info("catalog: %s", ", ".join(catalog.names()) or "no models declared")
     return catalog
-
-
-class _QuietEmbedWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Embedded server is experimental" not in record.getMessage()
 
 
 def check_plain_http(config: ServerConfig) -> None:
@@ -77,26 +71,20 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         server.app.state.on_revoked.append(live.on_revoked)
         tls = config.tls
         agents = AgentListener(tls, server.controller, store, live) if tls else None
-        # /v1 and the admin API over TLS with the server's certificate; no client certificate.
-        ssl_options = ({"ssl_cert": Path(tls.cert_file), "ssl_key": Path(tls.key_file)}
-                       if tls else {})
-        logging.getLogger("_granian").addFilter(_QuietEmbedWarning())
         # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
-        granian, url = make_server(
-            server.asgi, config.listen, interface=Interfaces.ASGI, websockets=True,
-            log_enabled=False, **ssl_options,
-        )
-        if tls:
-            url = url.replace("http://", "https://", 1)
+        sock, where = listening_socket(config.listen)
+        # /v1 and the admin API over TLS with the server's certificate; no client certificate.
+        http = make_server(server.asgi, sock,
+                           (Path(tls.cert_file), Path(tls.key_file)) if tls else None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, granian.stop)
-        log.info("serving on %s", url)
+            loop.add_signal_handler(sig, http.stop)
+        log.info("serving on %s://%s", "https" if tls else "http", where)
         _tune_gc()
         if agents is not None:
             await agents.start()
         try:
-            task = asyncio.create_task(granian.serve())
+            task = asyncio.create_task(http.serve(sockets=[sock]))
             if ready is not None:
                 ready.set()
             await task

@@ -1,8 +1,8 @@
 """The agent stream's own mTLS listener, on aiohttp in the server's event loop.
 
-granian, which serves ``/v1`` and the admin API, verifies client certificates but tells
-the application nothing about them (docs/security.md), so the agent stream has a listener
-of its own where the handler sees the peer's certificate. A connection is admitted in this
+The main listener (``/v1``, the admin API) takes no client certificates: the OpenAI
+clients have none. So the agent stream has a listener of its own, where the handler sees
+the peer's certificate (docs/security.md). A connection is admitted in this
 order, and refused at the first failure with a log line that says why:
 
 1. the TLS handshake (``ssl``): the certificate chains to the cluster CA, the only CA

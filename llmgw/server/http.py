@@ -1,0 +1,110 @@
+"""The HTTP server for ``/v1``, the admin API and the page: uvicorn, in the server's own
+event loop (uvloop), parsing with httptools.
+
+Why uvicorn and not granian (which served here until 30 November 2026): the gateway's cost
+per request is mostly the server around it. granian does its I/O on its own threads and
+hands each request, each body and each streamed chunk to the Python event loop across
+threads; uvicorn parses and writes in the loop's thread, so a proxied request is a few
+callbacks and two socket writes. Measured with bench/gateway.py on the same machine, the
+same llmgw: 122 -> 77 µs of CPU per proxied request, 19.8 -> 11.5 µs per streamed event,
+0.44 -> 0.16 ms added latency (bench/README.md).
+
+What uvicorn leaves to us, done here: a limit on a request's head (its httptools protocol
+keeps every header line it is sent), TLS 1.3 only, no ``server`` header, forwarding
+headers never trusted, and signals left to ``llmgw server``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# The request line and headers together; a body is bounded by the routes that read it.
+MAX_HEAD_BYTES = 64 * 1024
+# Once stopping, how long requests in flight (a stream, say) may take to finish.
+GRACEFUL_STOP_S = 10
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, refusing a request whose head passes MAX_HEAD_BYTES
+    with 431 instead of keeping every line a client sends."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._head_too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_too_large = True
+            # Stops the parser; data_received answers through send_400_response below.
+            raise httptools.HttpParserCallbackError("request head too large")
+
+    def send_400_response(self, msg: str) -> None:
+        if not getattr(self, "_head_too_large", False):
+            return super().send_400_response(msg)
+        body = (f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
+                "send fewer or shorter headers").encode()
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.transport.close()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopped by ``llmgw server``'s own signal handlers (``stop``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn would take SIGINT/SIGTERM and raise them again once stopped.
+        yield
+
+    def stop(self) -> None:
+        """Stop taking requests and finish those in flight; a second call stops at once."""
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _tls_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(cert_file, key_file)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def make_server(app: Any, sock: socket.socket, tls: tuple[Path, Path] | None = None
+                ) -> Server:
+    """A server for ``app`` on the listening ``sock``; over TLS with ``(cert, key)``."""
+    host, port = sock.getsockname()[:2]
+    # uvicorn's "Started server process" and such: llmgw logs its own; and never each
+    # WebSocket frame in hex, which is what its debug level adds.
+    debug = logging.getLogger().level <= logging.DEBUG
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO if debug else logging.WARNING)
+    config = uvicorn.Config(
+        app, host=host, port=port, loop="none", http=BoundedHeadProtocol,
+        ws="websockets-sansio", lifespan="on", log_config=None, access_log=False,
+        server_header=False, proxy_headers=False,
+        timeout_graceful_shutdown=GRACEFUL_STOP_S,
+        ssl_context_factory=(lambda _config, _default: _tls_context(*tls)) if tls else None,
+    )
+    return Server(config)

@@ -1,0 +1,154 @@
+"""The HTTP server around the app (llmgw.server.http): what it adds to uvicorn, on loopback.
+
+A small ASGI app that echoes what the server told it, served by ``make_server`` on a
+socket bound here, reached by raw sockets and aiohttp: the head limit, TLS 1.3 only,
+forwarding headers not trusted, no ``server`` header, and the two-step stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from llmgw import pki
+from llmgw.config import Listen
+from llmgw.server.http import MAX_HEAD_BYTES, make_server
+from llmgw.server.listen import listening_socket
+
+
+async def _echo(scope, receive, send, slow_started: asyncio.Event) -> None:
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    while (await receive()).get("more_body"):
+        pass
+    if scope["path"] == "/slow":
+        slow_started.set()
+        await asyncio.sleep(0.5)
+    body = json.dumps({"client": scope["client"][0], "scheme": scope["scheme"]}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Running:
+    def __init__(self, tls: tuple[Path, Path] | None = None):
+        self.sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+        self.port = self.sock.getsockname()[1]
+        self.slow_started = asyncio.Event()
+
+        async def app(scope, receive, send) -> None:
+            await _echo(scope, receive, send, self.slow_started)
+
+        self.server = make_server(app, self.sock, tls)
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> _Running:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            assert not self.task.done(), self.task.exception()
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.stop()
+        await asyncio.wait_for(self.task, 15)
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+async def test_a_head_over_the_limit_is_refused_with_431_and_a_reason():
+    async with _Running() as running:
+        padding = b"".join(b"x-pad-%d: %s\r\n" % (i, b"a" * 1000)
+                           for i in range(MAX_HEAD_BYTES // 1000 + 2))
+        answer = await asyncio.to_thread(
+            _raw, running.port, b"GET / HTTP/1.1\r\nhost: x\r\n" + padding + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b"send fewer or shorter headers" in answer
+        # A head under the limit is served, and the connection's close did not stop the
+        # server.
+        padding = b"x-pad: " + b"a" * (MAX_HEAD_BYTES // 2) + b"\r\n"
+        answer = await asyncio.to_thread(
+            _raw, running.port,
+            b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + padding + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+async def test_no_server_header_and_forwarded_for_is_not_trusted():
+    headers = {"x-forwarded-for": "203.0.113.9", "x-forwarded-proto": "https"}
+    async with (_Running() as running, aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{running.port}/", headers=headers) as resp):
+        assert resp.status == 200
+        assert "server" not in resp.headers
+        seen = await resp.json()
+    # The peer's address, not the header's: metrics and login throttling key on it.
+    assert seen == {"client": "127.0.0.1", "scheme": "http"}
+
+
+@pytest.fixture
+def server_cert(tmp_path) -> tuple[Path, Path, Path]:
+    ca_key, ca_pem = pki.create_ca()
+    key_pem, cert_pem = pki.issue_server_cert(ca_key, ca_pem, ["127.0.0.1"])
+    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
+    for path, data in zip(paths, (ca_pem, cert_pem, key_pem), strict=True):
+        path.write_bytes(data)
+    return paths
+
+
+async def test_tls_13_is_served_and_tls_12_refused(server_cert):
+    ca, cert, key = server_cert
+    async with _Running((cert, key)) as running, aiohttp.ClientSession() as http:
+        modern = ssl.create_default_context(cafile=ca)
+        async with http.get(f"https://127.0.0.1:{running.port}/", ssl=modern) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["scheme"] == "https"
+        old = ssl.create_default_context(cafile=ca)
+        old.maximum_version = ssl.TLSVersion.TLSv1_2
+        with pytest.raises(aiohttp.ClientConnectorError):
+            async with http.get(f"https://127.0.0.1:{running.port}/", ssl=old):
+                pass
+
+
+async def test_stop_lets_a_request_in_flight_finish():
+    running = _Running()
+    await running.__aenter__()
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(http.get(f"http://127.0.0.1:{running.port}/slow"))
+        await asyncio.wait_for(running.slow_started.wait(), 5)
+        running.server.stop()
+        resp = await request
+        assert resp.status == 200  # finished although the server was stopping
+        await resp.release()
+    await asyncio.wait_for(running.task, 15)
+
+
+async def test_a_second_stop_does_not_wait_for_requests_in_flight():
+    running = _Running()
+    await running.__aenter__()
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(http.get(f"http://127.0.0.1:{running.port}/slow"))
+        await asyncio.wait_for(running.slow_started.wait(), 5)
+        started = asyncio.get_running_loop().time()
+        running.server.stop()
+        running.server.stop()
+        await asyncio.wait_for(running.task, 15)
+        # /slow takes 0.5 s; the server was gone well before it was done.
+        assert asyncio.get_running_loop().time() - started < 0.4
+        assert not request.done()
+        request.cancel()
