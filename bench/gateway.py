@@ -4,8 +4,8 @@ Three targets, measured in one run, round after round in turn (the order rotates
 so drift in the machine's load hits all three alike):
 
 - direct: the client talks to the engine itself;
-- floor: through a bare asyncio L7 proxy (``bench/fake_engine.py proxy``), the least a
-  Python proxy can cost;
+- floor: through a bare L7 proxy on uvloop and httptools (``bench/fake_engine.py
+  proxy``), the least a Python proxy can cost;
 - llmgw: through a real ``llmgw server``, which learnt of the engine from a real
   ``llmgw agent``, exactly as in a deployment.
 
