@@ -9,13 +9,14 @@ callbacks and two socket writes. Measured with bench/gateway.py on the same mach
 same llmgw: 122 -> 77 µs of CPU per proxied request, 19.8 -> 11.5 µs per streamed event,
 0.44 -> 0.16 ms added latency (bench/README.md).
 
-What uvicorn leaves to us, done here: a limit on a request's head (its httptools protocol
-keeps every header line it is sent), TLS 1.3 only, no ``server`` header, forwarding
+What uvicorn leaves to us, done here: a limit on a request's head, in size and in time (its
+httptools protocol keeps every header line it is sent, and waits for ever), TLS 1.3 only, no ``server`` header, forwarding
 headers never trusted, and signals left to ``llmgw server``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -30,18 +31,36 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # The request line and headers together; a body is bounded by the routes that read it.
 MAX_HEAD_BYTES = 64 * 1024
+# From a connection's start, or a request's first byte, to the end of its headers.
+HEAD_TIMEOUT_S = 30.0
 # Once stopping, how long requests in flight (a stream, say) may take to finish.
 GRACEFUL_STOP_S = 10
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, refusing a request whose head passes MAX_HEAD_BYTES
-    with 431 instead of keeping every line a client sends."""
+    """uvicorn's httptools protocol with the request head bounded: over MAX_HEAD_BYTES it is
+    refused with 431, and a head not complete within HEAD_TIMEOUT_S of the connection's
+    start (or of its first byte, on a kept-alive connection) with 408. Otherwise a client
+    could hold memory with endless header lines, or a connection with a head it never
+    finishes."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0
+    _head_refused: bytes | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
-        self._head_too_large = False
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -51,22 +70,45 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._count(len(name) + len(value) + 4)
         super().on_header(name, value)
 
+    def on_headers_complete(self) -> None:
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def _count(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large = True
+            self._head_refused = _refusal(
+                b"431 Request Header Fields Too Large",
+                f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
+                "send fewer or shorter headers")
             # Stops the parser; data_received answers through send_400_response below.
             raise httptools.HttpParserCallbackError("request head too large")
 
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.write(_refusal(
+                b"408 Request Timeout",
+                f"the request's headers did not arrive within {HEAD_TIMEOUT_S:g} s"))
+            self.transport.close()
+
     def send_400_response(self, msg: str) -> None:
-        if not getattr(self, "_head_too_large", False):
+        if self._head_refused is None:
             return super().send_400_response(msg)
-        body = (f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
-                "send fewer or shorter headers").encode()
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                             b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.transport.write(self._head_refused)
         self.transport.close()
+
+
+def _refusal(status: bytes, reason: str) -> bytes:
+    body = reason.encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
 
 
 class Server(uvicorn.Server):

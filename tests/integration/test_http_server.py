@@ -11,6 +11,7 @@ import asyncio
 import json
 import socket
 import ssl
+import time
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +19,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.config import Listen
+from llmgw.server import http as http_server
 from llmgw.server.http import MAX_HEAD_BYTES, make_server
 from llmgw.server.listen import listening_socket
 
@@ -87,6 +89,33 @@ async def test_a_head_over_the_limit_is_refused_with_431_and_a_reason():
         answer = await asyncio.to_thread(
             _raw, running.port,
             b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + padding + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def _silent_then_read(port: int, request: bytes) -> tuple[bytes, float]:
+    """Send ``request`` (a head left unfinished, or nothing), then read until the server
+    closes: what it said, and after how long."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        started = time.monotonic()
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer, time.monotonic() - started
+
+
+@pytest.mark.parametrize("request_sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nho"],
+                         ids=["nothing", "half a head"])
+async def test_a_head_not_finished_in_time_is_refused_with_408(monkeypatch, request_sent):
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.3)
+    async with _Running() as running:
+        answer, took = await asyncio.to_thread(_silent_then_read, running.port, request_sent)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b"did not arrive within 0.3 s" in answer
+        assert 0.25 < took < 5
+        # A whole request on a new connection is still served.
+        answer = await asyncio.to_thread(
+            _raw, running.port, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
