@@ -9,9 +9,10 @@ callbacks and two socket writes. Measured with bench/gateway.py on the same mach
 same llmgw: 122 -> 77 µs of CPU per proxied request, 19.8 -> 11.5 µs per streamed event,
 0.44 -> 0.16 ms added latency (bench/README.md).
 
-What uvicorn leaves to us, done here: a limit on a request's head, in size and in time (its
-httptools protocol keeps every header line it is sent, and waits for ever), TLS 1.3 only, no ``server`` header, forwarding
-headers never trusted, and signals left to ``llmgw server``.
+What uvicorn leaves to us, done here: a request's head bounded in size and in time (its
+httptools protocol keeps every header line it is sent, and waits for ever), a restart that
+resets no request already sent, TLS 1.3 only, no ``server`` header, forwarding headers
+never trusted, and signals left to ``llmgw server``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
     _head_refused: bytes | None = None
+    _requests = 0
+    _last_request = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,7 +75,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_head_timer()
+        self._requests += 1
         super().on_headers_complete()
+        if self._last_request and self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        if self._requests == 0 and self.cycle is None:
+            # Accepted, and its first request is on its way (or half read): closing now
+            # would reset a request the client already sent, which a restart on a socket
+            # systemd holds must not do. It is served, then closed; the head timeout and
+            # the graceful stop's limit bound the wait.
+            self._last_request = True
+            return
+        super().shutdown()
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:

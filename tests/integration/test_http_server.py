@@ -181,3 +181,26 @@ async def test_a_second_stop_does_not_wait_for_requests_in_flight():
         assert asyncio.get_running_loop().time() - started < 0.4
         assert not request.done()
         request.cancel()
+
+
+async def test_a_connection_accepted_before_a_stop_gets_its_request_served():
+    # As under systemd socket activation: a client connected just before the restart sends
+    # its request while the old server stops; it must be answered, not reset.
+    running = _Running()
+    await running.__aenter__()
+    conn = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", running.port), 5)
+    try:
+        # uvicorn's own set of connections: there is no event to wait on.
+        while not running.server.server_state.connections:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        running.server.stop()
+        await asyncio.sleep(0.3)  # past uvicorn's first pass over open connections
+        conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        answer = b""
+        while chunk := await asyncio.to_thread(conn.recv, 65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert b"connection: close" in answer.lower()
+    finally:
+        conn.close()
+    await asyncio.wait_for(running.task, 15)
