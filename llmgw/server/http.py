@@ -6,7 +6,7 @@ per request is mostly the server around it. granian does its I/O on its own thre
 hands each request, each body and each streamed chunk to the Python event loop across
 threads; uvicorn parses and writes in the loop's thread, so a proxied request is a few
 callbacks and two socket writes. Measured with bench/gateway.py on the same machine, the
-same llmgw: 122 -> 77 µs of CPU per proxied request, 19.8 -> 11.5 µs per streamed event,
+same llmgw: 122 -> 75 µs of CPU per proxied request, 19.8 -> 12.2 µs per streamed event,
 0.44 -> 0.16 ms added latency (bench/README.md).
 
 What uvicorn leaves to us, done here: a request's head bounded in size and in time (its
@@ -43,7 +43,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     refused with 431, and a head not complete within HEAD_TIMEOUT_S of the connection's
     start (or of its first byte, on a kept-alive connection) with 408. Otherwise a client
     could hold memory with endless header lines, or a connection with a head it never
-    finishes."""
+    finishes. And a stop does not reset a connection whose first request is on its way."""
 
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
