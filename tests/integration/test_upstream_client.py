@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from llmgw.server.openai.upstream import (
+    Answer,
     ConnectError,
     Pool,
     UpstreamError,
@@ -267,16 +268,53 @@ async def test_a_client_slower_than_its_engine_pauses_reading_and_loses_nothing(
         answer = await _post(pool, engine.port)
         conn = answer._conn
         for _ in range(500):  # nothing read yet: the engine fills the buffer (5 s at most)
-            if conn._paused:
+            if conn.paused:
                 break
             await asyncio.sleep(0.01)
-        assert conn._paused
+        assert conn.paused
         assert answer._queued <= 2 * 2**20  # bounded near the high-water mark
         got = bytearray()
         while chunk := await answer.chunk():
             got += chunk
         assert len(got) == size
         assert all(got[i * 2**16] == i % 251 for i in range(size // 2**16))
+        answer.close()
+    await pool.close()
+
+
+async def test_data_waiting_for_a_slow_reader_is_not_idleness_and_wakes_no_busy_timer(
+        monkeypatch):
+    async def two_then_silence(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(2):
+            await asyncio.sleep(0.05)
+            writer.write(b"5\r\ntoken\r\n")
+            await writer.drain()
+        await asyncio.sleep(1.0)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    fired = 0
+    expired = Answer._expired
+
+    def counted(self):
+        nonlocal fired
+        fired += 1
+        expired(self)
+
+    monkeypatch.setattr(Answer, "_expired", counted)
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(two_then_silence) as engine:
+        answer = await _post(pool, engine.port, idle_s=0.1)
+        assert await answer.chunk() == b"token"  # waited: the idle timer is armed
+        # A reader slower than the idle limit: the second token waits, queued. Queued data
+        # is activity, so the timer comes back once per idle period, not in a spin.
+        await asyncio.sleep(0.5)
+        assert 1 <= fired <= 10
+        assert await answer.chunk() == b"token"
+        # Then the engine is silent for 1 s: that is idleness.
+        with pytest.raises(UpstreamTimeout):
+            await answer.chunk()
         answer.close()
     await pool.close()
 

@@ -208,7 +208,8 @@ class Answer:
         if self._chunks:
             data = self._chunks.popleft() if len(self._chunks) == 1 else self._drain()
             self._queued = 0
-            self._conn.resume()
+            if self._conn.paused:
+                self._conn.resume()
             return data
         if self._error is not None:
             raise self._error
@@ -221,7 +222,7 @@ class Answer:
         return data
 
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._conn.loop.create_future()
         try:
             await self._waiter
         finally:
@@ -250,10 +251,14 @@ class Answer:
         if self._done or self._error is not None:
             return
         if self.status and self._idle_s is not None:
-            # Data came since the timer was set: wait out the rest of the idle period.
-            loop = asyncio.get_running_loop()
+            loop = self._conn.loop
+            if self._chunks:
+                # Data waits for our reader (a slow client): the engine is not idle.
+                self._timer = loop.call_at(loop.time() + self._idle_s, self._expired)
+                return
             idle_for = time.monotonic() - self._last
-            if self._chunks or idle_for < self._idle_s:
+            if idle_for < self._idle_s:
+                # Data came since the timer was set: wait out the rest of the idle period.
                 self._timer = loop.call_at(loop.time() + self._idle_s - idle_for,
                                            self._expired)
                 return
@@ -303,7 +308,8 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._parser = httptools.HttpResponseParser(self)
         self._lost = False
-        self._paused = False
+        self.paused = False
+        self.loop = asyncio.get_running_loop()
         self._framed = False  # the answer says where its body ends
         self._keep_alive = False
         self._until_eof = False
@@ -334,13 +340,13 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def pause(self) -> None:
-        if not self._paused and self.transport is not None:
-            self._paused = True
+        if not self.paused and self.transport is not None:
+            self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self._paused and not self._lost:
-            self._paused = False
+        if self.paused and not self._lost:
+            self.paused = False
             self.transport.resume_reading()
 
     # asyncio.Protocol
