@@ -71,7 +71,8 @@ async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines
             async def send(message: dict, sent=sent) -> None:
                 sent.append(message)
 
-            await routes._route(state, head, None, "/v1/chat/completions", body, send, None)
+            await routes._route(state, head, None, "/v1/chat/completions", body, send, None,
+                                routes._Seen(state.metrics))
             starts = [m for m in sent if m["type"] == "http.response.start"]
             assert [m["status"] for m in starts] == [200]  # one answer, started once
             text = b"".join(m.get("body", b"") for m in sent).decode()
@@ -119,7 +120,7 @@ async def test_a_stream_broken_after_its_first_byte_is_not_retried():
     try:
         state = _state(router, pool)
         await routes._route(state, routes._parse(body, "messages"), None,
-                            "/v1/chat/completions", body, send, None)
+                            "/v1/chat/completions", body, send, None, routes._Seen(state.metrics))
     finally:
         await pool.close()
         server.close()

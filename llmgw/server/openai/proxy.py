@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
@@ -50,11 +51,23 @@ class Retryable(Exception):
 
 
 UsageSink = Callable[[Usage | None], None]
+
+
+class Progress(Protocol):
+    """Told as the answer goes out, for the request's metrics."""
+
+    def started(self, status: int) -> None:
+        """The answer's status line is about to be sent."""
+
+    def first_bytes(self) -> None:
+        """The first bytes of the answer's body are about to be sent."""
+
 _ACCEPT_STREAM = b"text/event-stream"
 
 
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
-                  gateway: Gateway, send: Send, usage: UsageSink | None = None) -> None:
+                  gateway: Gateway, send: Send, progress: Progress,
+                  usage: UsageSink | None = None) -> None:
     """Forward one request on ``lease`` and write the answer with ``send``. Raises
     ``Retryable`` or ``ApiError`` only before anything was sent to the client; the lease is
     released however this ends. ``usage``, when given, is called once with the tokens the
@@ -82,9 +95,9 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
                 raise Retryable(f"{lease.replica} answered 503")
             media_type = _content_type(upstream.headers)
             if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
-                await _relay(upstream, lease.replica, gateway, send, usage)
+                await _relay(upstream, lease.replica, gateway, send, progress, usage)
             else:
-                await _answer(upstream, lease.replica, gateway, send, usage)
+                await _answer(upstream, lease.replica, gateway, send, progress, usage)
         finally:
             # Back to the pool when read to the end; dropped where the answer was cut
             # short, which is how the engine learns that nobody is listening any more.
@@ -101,7 +114,7 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                  usage: UsageSink | None) -> None:
+                  progress: Progress, usage: UsageSink | None) -> None:
     try:
         content = await upstream.read()
     except UpstreamTimeout:
@@ -114,25 +127,33 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     headers = upstream.headers
     if not any(k == b"content-type" for k, _ in headers):
         headers = [*headers, (b"content-type", _JSON)]
+    progress.started(upstream.status)
     await send({"type": "http.response.start", "status": upstream.status,
                 "headers": [*headers, (b"content-length", str(len(content)).encode())]})
+    if content:
+        progress.first_bytes()
     await send({"type": "http.response.body", "body": content})
     if usage is not None and 200 <= upstream.status < 300:
         usage(usage_from_body(content))
 
 
 async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                 usage: UsageSink | None) -> None:
+                 progress: Progress, usage: UsageSink | None) -> None:
+    progress.started(200)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
     tail = b""
     reader = StreamUsage() if usage is not None else None
     try:
         try:
-            while chunk := await upstream.chunk():
+            chunk = await upstream.chunk()
+            if chunk:
+                progress.first_bytes()
+            while chunk:
                 if reader is not None:
                     reader.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await upstream.chunk()
         except UpstreamTimeout:
             idle_timeout_s = gateway.idle_timeout_s
             log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,

@@ -17,7 +17,7 @@ from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer, check_api_key
 from llmgw.server.errors import ApiError, error_body
 from llmgw.server.metrics import endpoint_kind
-from llmgw.server.openai.proxy import Retryable, forward
+from llmgw.server.openai.proxy import Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
 from llmgw.store import ApiKeyRecord
 
@@ -174,20 +174,9 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
     if scope["method"] != "POST":
         return await _send_error(send, ApiError(405, f"{path} does not take "
                                                 f"{scope['method']}", code="method_not_allowed"))
-    metrics = state.metrics
-    began = time.perf_counter()
-    seen = _Seen()
-
-    async def tracked_send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            seen.status = message["status"]
-        elif seen.stream and not seen.first_byte and message.get("body"):
-            seen.first_byte = True
-            metrics.first_byte(seen.model, time.perf_counter() - began)
-        await send(message)
-
+    seen = _Seen(state.metrics)
     try:
-        await _serve(state, scope, receive, tracked_send, path, required, seen)
+        await _serve(state, scope, receive, send, path, required, seen)
     except ClientGone:
         seen.status = seen.status or 499  # nobody to answer
     except ApiError as err:
@@ -201,20 +190,29 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
                                              "details", code="internal_error"))
             seen.status = 500
     finally:
-        metrics.request_done(seen.model, endpoint_kind(path), seen.status or 499,
-                             time.perf_counter() - began)
+        seen.metrics.request_done(seen.model, endpoint_kind(path), seen.status or 499,
+                                  time.perf_counter() - seen.began)
 
 
 class _Seen:
-    """What the request showed so far, for its metrics."""
+    """What the request showed so far, for its metrics; the proxy calls ``started`` and
+    ``first_bytes`` (proxy.Progress) as the answer goes out, so nothing wraps ``send``."""
 
-    __slots__ = ("first_byte", "model", "status", "stream")
+    __slots__ = ("began", "metrics", "model", "status", "stream")
 
-    def __init__(self) -> None:
+    def __init__(self, metrics) -> None:
+        self.metrics = metrics
+        self.began = time.perf_counter()
         self.model: str | None = None
         self.status = 0
         self.stream = False
-        self.first_byte = False
+
+    def started(self, status: int) -> None:
+        self.status = status
+
+    def first_bytes(self) -> None:
+        if self.stream:
+            self.metrics.first_byte(self.model, time.perf_counter() - self.began)
 
 
 async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
@@ -258,7 +256,7 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     loop = asyncio.get_running_loop()
     timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
-        await _route(state, head, key, path, body, send, usage)
+        await _route(state, head, key, path, body, send, usage, seen)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -276,7 +274,7 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
-                 send: Send, usage) -> None:
+                 send: Send, usage, progress: Progress) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):
@@ -290,7 +288,7 @@ async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
             break
         try:
             return await forward(state.upstream, lease, path, body, head.stream,
-                                 state.config.gateway, send, usage)
+                                 state.config.gateway, send, progress, usage)
         except Retryable as err:
             state.metrics.retry(head.model)
             refusals.append(str(err))
