@@ -20,7 +20,7 @@ import pytest
 from llmgw import pki
 from llmgw.config import Listen
 from llmgw.server import http as http_server
-from llmgw.server.http import MAX_HEAD_BYTES, make_server
+from llmgw.server.http import GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
 from llmgw.server.listen import listening_socket
 
 
@@ -33,9 +33,9 @@ async def _echo(scope, receive, send, slow_started: asyncio.Event) -> None:
         return
     while (await receive()).get("more_body"):
         pass
-    if scope["path"] == "/slow":
+    if scope["path"].startswith("/slow/"):  # /slow/SECONDS
         slow_started.set()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
     body = json.dumps({"client": scope["client"][0], "scheme": scope["scheme"]}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json")]})
@@ -56,14 +56,28 @@ class _Running:
 
     async def __aenter__(self) -> _Running:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            assert not self.task.done(), self.task.exception()
-            await asyncio.sleep(0.01)
+        await _until(lambda: self.server.started or self.task.done(), "the server to start")
+        assert not self.task.done(), self.task.exception()
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.server.stop()
-        await asyncio.wait_for(self.task, 15)
+        if not self.task.done():
+            self.server.stop()
+            await asyncio.wait_for(self.task, 15)
+
+    async def slow_request(self, http: aiohttp.ClientSession, seconds: float) -> asyncio.Task:
+        """A request the app is busy with for ``seconds``, once it has started on it."""
+        request = asyncio.create_task(http.get(f"http://127.0.0.1:{self.port}/slow/{seconds}"))
+        await asyncio.wait_for(self.slow_started.wait(), 5)
+        return request
+
+
+async def _until(predicate, what: str, timeout_s: float = 5.0) -> None:
+    """Poll uvicorn's own state, which offers no event to wait on."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"waited {timeout_s} s for {what}"
+        await asyncio.sleep(0.01)
 
 
 def _raw(port: int, request: bytes) -> bytes:
@@ -155,30 +169,25 @@ async def test_tls_13_is_served_and_tls_12_refused(server_cert):
 
 
 async def test_stop_lets_a_request_in_flight_finish():
-    running = _Running()
-    await running.__aenter__()
-    async with aiohttp.ClientSession() as http:
-        request = asyncio.create_task(http.get(f"http://127.0.0.1:{running.port}/slow"))
-        await asyncio.wait_for(running.slow_started.wait(), 5)
+    async with _Running() as running, aiohttp.ClientSession() as http:
+        request = await running.slow_request(http, 0.5)
         running.server.stop()
         resp = await request
         assert resp.status == 200  # finished although the server was stopping
         await resp.release()
-    await asyncio.wait_for(running.task, 15)
+        await asyncio.wait_for(running.task, 15)
 
 
 async def test_a_second_stop_does_not_wait_for_requests_in_flight():
-    running = _Running()
-    await running.__aenter__()
-    async with aiohttp.ClientSession() as http:
-        request = asyncio.create_task(http.get(f"http://127.0.0.1:{running.port}/slow"))
-        await asyncio.wait_for(running.slow_started.wait(), 5)
+    async with _Running() as running, aiohttp.ClientSession() as http:
+        request = await running.slow_request(http, 30)
         started = asyncio.get_running_loop().time()
         running.server.stop()
         running.server.stop()
         await asyncio.wait_for(running.task, 15)
-        # /slow takes 0.5 s; the server was gone well before it was done.
-        assert asyncio.get_running_loop().time() - started < 0.4
+        # Had it waited, it would have waited GRACEFUL_STOP_S (10 s) and then cut the
+        # request; it stopped at once and left the request running.
+        assert asyncio.get_running_loop().time() - started < GRACEFUL_STOP_S / 2
         assert not request.done()
         request.cancel()
 
@@ -186,21 +195,21 @@ async def test_a_second_stop_does_not_wait_for_requests_in_flight():
 async def test_a_connection_accepted_before_a_stop_gets_its_request_served():
     # As under systemd socket activation: a client connected just before the restart sends
     # its request while the old server stops; it must be answered, not reset.
-    running = _Running()
-    await running.__aenter__()
-    conn = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", running.port), 5)
-    try:
-        # uvicorn's own set of connections: there is no event to wait on.
-        while not running.server.server_state.connections:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-        running.server.stop()
-        await asyncio.sleep(0.3)  # past uvicorn's first pass over open connections
-        conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-        answer = b""
-        while chunk := await asyncio.to_thread(conn.recv, 65536):
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
-        assert b"connection: close" in answer.lower()
-    finally:
-        conn.close()
-    await asyncio.wait_for(running.task, 15)
+    async with _Running() as running:
+        conn = await asyncio.to_thread(socket.create_connection,
+                                       ("127.0.0.1", running.port), 5)
+        try:
+            await _until(lambda: running.server.server_state.connections, "the connection")
+            running.server.stop()
+            # uvicorn stops listening and goes over the open connections in one step.
+            await _until(lambda: running.server.servers and not any(
+                s.is_serving() for s in running.server.servers), "the listener to close")
+            conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while chunk := await asyncio.to_thread(conn.recv, 65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+            assert b"connection: close" in answer.lower()
+        finally:
+            conn.close()
+        await asyncio.wait_for(running.task, 15)
