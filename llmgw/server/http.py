@@ -43,7 +43,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     refused with 431, and a head not complete within HEAD_TIMEOUT_S of the connection's
     start (or of its first byte, on a kept-alive connection) with 408. Otherwise a client
     could hold memory with endless header lines, or a connection with a head it never
-    finishes. And a stop does not reset a connection whose first request is on its way."""
+    finishes. And a stop does not reset a connection whose first request is on its way.
+
+    It overrides parser callbacks and three methods of uvicorn 0.54's protocol (pinned in
+    pyproject.toml): ``send_400_response``, which its ``data_received`` calls on a parser
+    error, ``shutdown`` and the connection callbacks. tests/integration/test_http_server.py
+    fails if an upgrade changes them."""
 
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
