@@ -293,6 +293,10 @@ class StreamUsage:
         self.usage: Usage | None = None
 
     def feed(self, chunk: bytes) -> None:
+        if not self._line and chunk.endswith(b"\n") and b'"usage"' not in chunk:
+            # Whole lines, none with a usage: nothing to read or keep (most chunks).
+            self._skipping = False
+            return
         start = 0
         for match in _EOL.finditer(chunk):
             self._add(chunk, start, match.start())

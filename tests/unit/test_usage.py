@@ -192,6 +192,11 @@ def test_overlong_last_line_gives_nothing() -> None:
     reader.feed(b"data: " + b"y" * 100 + b'\ndata: {"usage":{"prompt_tokens":1,')
     reader.feed(b'"completion_tokens":2}}\n')
     assert reader.end() == Usage(1, 2)
+    reader = StreamUsage(max_line=64)  # ended by a chunk of whole lines without a usage
+    reader.feed(b"data: " + b"y" * 100)
+    reader.feed(b"yyy\n\n")
+    reader.feed(b'data: {"usage":{"prompt_tokens":1,"completion_tokens":2}}\n')
+    assert reader.end() == Usage(1, 2)
 
 
 # --- metric labels ---------------------------------------------------------------------
