@@ -22,13 +22,13 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 # The request line and headers together; a body is bounded by the routes that read it.
 MAX_HEAD_BYTES = 64 * 1024
@@ -36,6 +36,43 @@ MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 # Once stopping, how long requests in flight (a stream, say) may take to finish.
 GRACEFUL_STOP_S = 10
+# The ASGI extension (``scope["extensions"]``) that offers a request's BodyWriter.
+BODY_WRITER = "llmgw.body_writer"
+
+
+class BodyWriter:
+    """Writes the chunks of one request's streamed response body straight to the client's
+    connection, from any callback: the gateway hands each chunk of an engine's stream over
+    from the engine connection's own callback, with no task woken and no ``send`` awaited
+    per chunk (bench/README.md has what that saves). Offered to the app as the ASGI
+    extension BODY_WRITER.
+
+    For a chunked response only, between an ``http.response.start`` and the last
+    ``http.response.body`` (``more_body`` false), both still sent through ``send``, which
+    keeps uvicorn's account of the response (keep-alive, the next pipelined request)."""
+
+    __slots__ = ("_cycle", "_protocol")
+
+    def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
+        self._protocol = protocol
+        self._cycle = cycle
+
+    def write(self, chunk: bytes) -> bool:
+        """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
+        no more for now: its connection's buffer is full (``when_writable`` says when it
+        drains) or it is gone (the app learns that from ``receive``)."""
+        cycle = self._cycle
+        if cycle.disconnected:
+            return False
+        if not cycle.chunked_encoding or cycle.response_complete:
+            raise RuntimeError("BodyWriter.write outside a started chunked response")
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return not cycle.flow.write_paused
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """After ``write`` said False: call ``callback`` once, when the client's connection
+        has drained (never, if the client is gone)."""
+        self._protocol._on_writable = callback
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
@@ -45,16 +82,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     could hold memory with endless header lines, or a connection with a head it never
     finishes. And a stop does not reset a connection whose first request is on its way.
 
-    It overrides parser callbacks and three methods of uvicorn 0.54's protocol (pinned in
+    Each request is offered a BodyWriter (above).
+
+    It overrides parser callbacks and four methods of uvicorn 0.54's protocol (pinned in
     pyproject.toml): ``send_400_response``, which its ``data_received`` calls on a parser
-    error, ``shutdown`` and the connection callbacks. tests/integration/test_http_server.py
-    fails if an upgrade changes them."""
+    error, ``shutdown``, ``resume_writing`` and the connection callbacks; BodyWriter reads
+    its request cycle's response state and writes as its ``send`` does.
+    tests/integration/test_http_server.py fails if an upgrade changes them."""
 
     _head_timer: asyncio.TimerHandle | None = None
     _head_bytes = 0
     _head_refused: bytes | None = None
     _requests = 0
     _last_request = False
+    _on_writable: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -62,7 +103,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._on_writable = None
         super().connection_lost(exc)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        callback, self._on_writable = self._on_writable, None
+        if callback is not None:
+            callback()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -82,8 +130,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         self._requests += 1
         super().on_headers_complete()
-        if self._last_request and self.cycle is not None:
-            self.cycle.keep_alive = False
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not self.scope:
+            return  # a WebSocket upgrade: no cycle was made for it
+        if self._last_request:
+            cycle.keep_alive = False
+        # Read by the app once its task runs, which is after this callback.
+        cycle.scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(self, cycle)
 
     def shutdown(self) -> None:
         if self._requests == 0 and self.cycle is None:

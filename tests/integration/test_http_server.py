@@ -2,7 +2,8 @@
 
 A small ASGI app that echoes what the server told it, served by ``make_server`` on a
 socket bound here, reached by raw sockets and aiohttp: the head limit, TLS 1.3 only,
-forwarding headers not trusted, no ``server`` header, and the two-step stop.
+forwarding headers not trusted, no ``server`` header, the two-step stop, and a body
+written through the BodyWriter to a client slower than the app.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import pytest
 from llmgw import pki
 from llmgw.config import Listen
 from llmgw.server import http as http_server
-from llmgw.server.http import GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
+from llmgw.server.http import BODY_WRITER, GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
 from llmgw.server.listen import listening_socket
 
+CHUNK = 2**16
 
-async def _echo(scope, receive, send, slow_started: asyncio.Event) -> None:
+
+async def _echo(scope, receive, send, running: _Running) -> None:
     if scope["type"] == "lifespan":
         while (message := await receive())["type"] != "lifespan.shutdown":
             if message["type"] == "lifespan.startup":
@@ -34,12 +37,43 @@ async def _echo(scope, receive, send, slow_started: asyncio.Event) -> None:
     while (await receive()).get("more_body"):
         pass
     if scope["path"].startswith("/slow/"):  # /slow/SECONDS
-        slow_started.set()
+        running.slow_started.set()
         await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
+    if scope["path"].startswith("/written/"):  # /written/CHUNKS
+        return await _written(scope, send, int(scope["path"].rsplit("/", 1)[1]), running)
     body = json.dumps({"client": scope["client"][0], "scheme": scope["scheme"]}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _written(scope, send, chunks: int, running: _Running) -> None:
+    """``chunks`` chunks of CHUNK bytes (chunk i all bytes i % 251) written through the
+    BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full."""
+    writer = scope["extensions"][BODY_WRITER]
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream")]})
+    done = asyncio.Event()
+    written = 0
+
+    def pump() -> None:
+        nonlocal written
+        while written < chunks:
+            written += 1
+            if not writer.write(bytes([(written - 1) % 251]) * CHUNK):
+                running.full.set()
+                running.resumed -= 1  # counted back when the writer calls pump again
+                writer.when_writable(resumed)
+                return
+        done.set()
+
+    def resumed() -> None:
+        running.resumed += 1
+        pump()
+
+    pump()
+    await done.wait()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Running:
@@ -47,9 +81,11 @@ class _Running:
         self.sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
         self.port = self.sock.getsockname()[1]
         self.slow_started = asyncio.Event()
+        self.full = asyncio.Event()  # a BodyWriter said the client's connection was full
+        self.resumed = 0  # when_writable calls not yet called back, negated
 
         async def app(scope, receive, send) -> None:
-            await _echo(scope, receive, send, self.slow_started)
+            await _echo(scope, receive, send, self)
 
         self.server = make_server(app, self.sock, tls)
         self.task: asyncio.Task | None = None
@@ -213,3 +249,52 @@ async def test_a_connection_accepted_before_a_stop_gets_its_request_served():
         finally:
             conn.close()
         await asyncio.wait_for(running.task, 15)
+
+
+def _dechunk(data: bytes) -> tuple[list[bytes], bytes]:
+    """The chunks of a chunked body, and what follows its last chunk."""
+    chunks = []
+    while True:
+        size_line, data = data.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            assert data.startswith(b"\r\n")
+            return chunks, data[2:]
+        chunks.append(data[:size])
+        assert data[size:size + 2] == b"\r\n"
+        data = data[size + 2:]
+
+
+async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing():
+    chunks = 128  # 8 MiB: well over what the socket buffers between app and client hold
+    async with _Running() as running:
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**18)
+        conn.settimeout(10)
+        await asyncio.to_thread(conn.connect, ("127.0.0.1", running.port))
+        try:
+            conn.sendall(f"GET /written/{chunks} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            # The client reads nothing yet: the writer must say full, and wait.
+            await asyncio.wait_for(running.full.wait(), 10)
+            assert running.resumed < 0
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n"):
+                piece = await asyncio.to_thread(conn.recv, 2**20)
+                assert piece, "the server closed the connection mid-answer"
+                answer += piece
+            head, body = answer.split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            assert b"transfer-encoding: chunked" in head.lower()
+            received, rest = _dechunk(body)
+            assert rest == b""
+            data = b"".join(received)
+            assert len(data) == chunks * CHUNK
+            assert all(data[i * CHUNK] == i % 251 == data[(i + 1) * CHUNK - 1]
+                       for i in range(chunks))
+            assert running.resumed == 0  # every wait was called back
+            # The response ended through send: the connection is kept for the next one.
+            conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            again = await asyncio.to_thread(conn.recv, 65536)
+            assert again.startswith(b"HTTP/1.1 200 "), again[:200]
+        finally:
+            conn.close()

@@ -1,6 +1,6 @@
 """The gateway's upstream HTTP client against real sockets on loopback: keep-alive reuse,
 bodies framed every way HTTP frames them, timeouts, a connection the engine closed while
-pooled, cancellation and flow control."""
+pooled, cancellation and flow control, read by the chunk or piped to a sink."""
 
 from __future__ import annotations
 
@@ -315,6 +315,112 @@ async def test_data_waiting_for_a_slow_reader_is_not_idleness_and_wakes_no_busy_
         # Then the engine is silent for 1 s: that is idleness.
         with pytest.raises(UpstreamTimeout):
             await answer.chunk()
+        answer.close()
+    await pool.close()
+
+
+async def test_a_piped_stream_goes_to_the_sink_from_the_connection_callback():
+    release = asyncio.Event()
+
+    async def stream(reader, writer, n):
+        # The first event comes with the head, before there is a sink.
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await release.wait()
+        for i in (2, 3):
+            writer.write(b"9\r\ndata: %d\n\n\r\n" % i)
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    got: list[bytes] = []
+    in_task: list[bool] = []
+
+    def sink(chunk: bytes) -> bool:
+        got.append(chunk)
+        in_task.append(asyncio.current_task() is not None)
+        release.set()
+        return True
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stream) as engine:
+        for _ in range(2):
+            answer = await _post(pool, engine.port)
+            got.clear()
+            await asyncio.wait_for(answer.pipe(sink), 5)
+            assert b"".join(got) == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
+            # The first chunk was handed over by pipe itself; the others by the connection's
+            # callback, outside any task: nothing was woken to carry them.
+            assert in_task[0] and not any(in_task[1:])
+            in_task.clear()
+            answer.close()
+            release.clear()
+        assert engine.connections == 1  # piped to its end, the connection was kept
+    await pool.close()
+
+
+async def test_a_full_sink_pauses_reading_until_resumed_and_is_not_idleness():
+    size = 4 * 2**20
+
+    async def flood(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(size // 2**16):
+            writer.write(b"%x\r\n%b\r\n" % (2**16, bytes([i % 251]) * 2**16))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    got = bytearray()
+    full = asyncio.Event()
+
+    def sink(chunk: bytes) -> bool:
+        got.extend(chunk)
+        if len(got) >= 2**20 and not full.is_set():
+            full.set()
+            return False  # as a client that stopped reading
+        return True
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(flood) as engine:
+        answer = await _post(pool, engine.port, idle_s=0.2)
+        piping = asyncio.create_task(answer.pipe(sink))
+        await asyncio.wait_for(full.wait(), 5)
+        assert answer._conn.paused
+        # Paused for a client longer than the idle limit: the engine is not idle.
+        await asyncio.sleep(0.6)
+        assert not piping.done()
+        held = len(got)
+        assert held < size
+        answer.resume()
+        await asyncio.wait_for(piping, 5)
+        assert len(got) == size
+        assert all(got[i * 2**16] == i % 251 for i in range(size // 2**16))
+        answer.close()
+    await pool.close()
+
+
+async def test_a_piped_stream_times_out_when_idle_and_fails_when_broken_off():
+    async def stall(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")
+        await writer.drain()
+        if n == 1:
+            await reader.read()  # silent until the client goes
+            return None
+        return False  # the second: closed mid-answer
+
+    got: list[bytes] = []
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stall) as engine:
+        answer = await _post(pool, engine.port, idle_s=0.3)
+        with pytest.raises(UpstreamTimeout) as caught:
+            await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        assert caught.value.phase == "idle" and got == [b"one"]
+        answer.close()
+        await asyncio.wait_for(engine.closed.wait(), 2)
+        answer = await _post(pool, engine.port, idle_s=5)
+        with pytest.raises(UpstreamError, match="mid-answer"):
+            await asyncio.wait_for(answer.pipe(lambda chunk: True), 5)
         answer.close()
     await pool.close()
 

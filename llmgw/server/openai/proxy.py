@@ -1,8 +1,10 @@
 """Forwarding one request to an engine, and writing its answer to the client, stream or not.
 
 The client's body is forwarded exactly as sent; only ``model`` and ``stream`` were read
-to route it. The answer is written straight to the ASGI ``send`` of the client's request:
-a streamed answer chunk by chunk as the engine writes it, never buffered. Cancelling the
+to route it. The answer is written straight to the ASGI ``send`` of the client's request;
+a streamed answer chunk by chunk as the engine writes it, never buffered: from the engine
+connection's callback through the server's BodyWriter where it offers one (llmgw's own
+server does), else through ``send``. Cancelling the
 task that forwards (the route does when the client goes away) closes the upstream
 connection, so the engine stops generating for nobody.
 """
@@ -18,6 +20,7 @@ import msgspec
 from llmgw.config import Gateway
 from llmgw.core.usage import StreamUsage, Usage, usage_from_body
 from llmgw.server.errors import ApiError
+from llmgw.server.http import BodyWriter
 from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import (
     Answer,
@@ -67,11 +70,12 @@ _ACCEPT_STREAM = b"text/event-stream"
 
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
                   gateway: Gateway, send: Send, progress: Progress,
-                  usage: UsageSink | None = None) -> None:
-    """Forward one request on ``lease`` and write the answer with ``send``. Raises
-    ``Retryable`` or ``ApiError`` only before anything was sent to the client; the lease is
-    released however this ends. ``usage``, when given, is called once with the tokens the
-    engine reported for a successful answer (None when it reported none)."""
+                  usage: UsageSink | None = None, writer: BodyWriter | None = None) -> None:
+    """Forward one request on ``lease`` and write the answer with ``send``, a stream's
+    chunks with ``writer`` where the server offers one. Raises ``Retryable`` or
+    ``ApiError`` only before anything was sent to the client; the lease is released however
+    this ends. ``usage``, when given, is called once with the tokens the engine reported
+    for a successful answer (None when it reported none)."""
     endpoint = lease.endpoint
     try:
         try:
@@ -95,7 +99,7 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
                 raise Retryable(f"{lease.replica} answered 503")
             media_type = _content_type(upstream.headers)
             if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
-                await _relay(upstream, lease.replica, gateway, send, progress, usage)
+                await _relay(upstream, lease.replica, gateway, send, progress, usage, writer)
             else:
                 await _answer(upstream, lease.replica, gateway, send, progress, usage)
         finally:
@@ -138,7 +142,8 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
 
 
 async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                 progress: Progress, usage: UsageSink | None) -> None:
+                 progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
+                 ) -> None:
     progress.started(200)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
@@ -146,14 +151,10 @@ async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     reader = StreamUsage() if usage is not None else None
     try:
         try:
-            chunk = await upstream.chunk()
-            if chunk:
-                progress.first_bytes()
-            while chunk:
-                if reader is not None:
-                    reader.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                chunk = await upstream.chunk()
+            if writer is not None:
+                await upstream.pipe(_sink(upstream, writer, progress, reader))
+            else:
+                await _copy(upstream, send, progress, reader)
         except UpstreamTimeout:
             idle_timeout_s = gateway.idle_timeout_s
             log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
@@ -171,3 +172,37 @@ async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
             # tokens were spent. An engine reports usage only at the end, so a stream cut
             # short counts as a request without tokens.
             usage(reader.end())
+
+
+def _sink(upstream: Answer, writer: BodyWriter, progress: Progress,
+          reader: StreamUsage | None) -> Callable[[bytes], bool]:
+    """What ``Answer.pipe`` hands each chunk to: written to the client as the engine's
+    connection reads it, reading paused while the client's connection is full."""
+    first = True
+
+    def sink(chunk: bytes) -> bool:
+        nonlocal first
+        if first:
+            first = False
+            progress.first_bytes()
+        if reader is not None:
+            reader.feed(chunk)
+        if writer.write(chunk):
+            return True
+        writer.when_writable(upstream.resume)
+        return False
+
+    return sink
+
+
+async def _copy(upstream: Answer, send: Send, progress: Progress,
+                reader: StreamUsage | None) -> None:
+    """The stream chunk by chunk through ``send``, for a server that offers no writer."""
+    chunk = await upstream.chunk()
+    if chunk:
+        progress.first_bytes()
+    while chunk:
+        if reader is not None:
+            reader.feed(chunk)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        chunk = await upstream.chunk()

@@ -16,6 +16,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer, check_api_key
 from llmgw.server.errors import ApiError, error_body
+from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.proxy import Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
@@ -253,10 +254,13 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
         watcher = loop.create_task(_until_disconnect(receive))
         watcher.add_done_callback(on_disconnect)
 
+    # llmgw's own server offers a writer for a stream's chunks (http.BodyWriter).
+    extensions = scope.get("extensions")
+    writer = extensions.get(BODY_WRITER) if extensions else None
     loop = asyncio.get_running_loop()
     timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
-        await _route(state, head, key, path, body, send, usage, seen)
+        await _route(state, head, key, path, body, send, usage, seen, writer)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -274,7 +278,8 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
-                 send: Send, usage, progress: Progress) -> None:
+                 send: Send, usage, progress: Progress, writer: BodyWriter | None = None
+                 ) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):
@@ -288,7 +293,7 @@ async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
             break
         try:
             return await forward(state.upstream, lease, path, body, head.stream,
-                                 state.config.gateway, send, progress, usage)
+                                 state.config.gateway, send, progress, usage, writer)
         except Retryable as err:
             state.metrics.retry(head.model)
             refusals.append(str(err))

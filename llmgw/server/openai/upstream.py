@@ -19,6 +19,7 @@ import asyncio
 import collections
 import functools
 import time
+from collections.abc import Callable
 
 import httptools
 
@@ -151,11 +152,13 @@ class Pool:
 
 class Answer:
     """One answer from an engine: status and kept headers once ``Pool.post`` returns, then
-    the body with ``read()`` (whole) or ``chunk()`` (as it comes, ``b""`` at the end).
-    ``close()`` ends it early, dropping the connection so the engine learns nobody listens."""
+    the body with ``read()`` (whole), ``chunk()`` (as it comes, ``b""`` at the end) or
+    ``pipe()`` (handed on from the connection's callback). ``close()`` ends it early,
+    dropping the connection so the engine learns nobody listens."""
 
     __slots__ = ("_chunks", "_conn", "_deadline", "_done", "_error", "_first_byte_s",
-                 "_idle_s", "_last", "_queued", "_timer", "_waiter", "headers", "status")
+                 "_idle_s", "_last", "_queued", "_sink", "_timer", "_waiter", "headers",
+                 "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -166,6 +169,7 @@ class Answer:
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: collections.deque[bytes] = collections.deque()
         self._queued = 0
+        self._sink: Callable[[bytes], bool] | None = None
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
@@ -216,6 +220,36 @@ class Answer:
         self._disarm()
         return b""
 
+    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+        """Hand the body to ``sink`` as it comes, from the connection's own callback: no
+        task is woken per chunk. ``sink`` returns False when whoever it writes to takes no
+        more for now; reading from the engine then pauses until ``resume()``. Returns once
+        the answer is complete; raises as ``chunk()`` does, the idle limit counting only
+        while reading is not paused."""
+        if self._chunks:  # came before there was a sink
+            self._queued = 0
+            if sink(self._drain()):
+                self.resume()  # had it paused at the high-water mark
+            else:
+                self._conn.pause()
+        self._sink = sink
+        try:
+            if self._idle_s is not None and not self._done:
+                self._last = time.monotonic()
+                self._arm(self._idle_s)
+            while not self._done and self._error is None:
+                await self._wait()
+        finally:
+            self._sink = None
+            self._disarm()
+        if self._error is not None:
+            raise self._error
+
+    def resume(self) -> None:
+        """Read from the engine again after a ``pipe`` sink said it was full."""
+        if self._conn.paused:
+            self._conn.resume()
+
     def _drain(self) -> bytes:
         data = b"".join(self._chunks)
         self._chunks.clear()
@@ -252,7 +286,7 @@ class Answer:
             return
         if self.status and self._idle_s is not None:
             loop = self._conn.loop
-            if self._chunks:
+            if self._chunks or self._conn.paused:
                 # Data waits for our reader (a slow client): the engine is not idle.
                 self._timer = loop.call_at(loop.time() + self._idle_s, self._expired)
                 return
@@ -284,8 +318,13 @@ class Answer:
         self._wake()
 
     def _body(self, data: bytes) -> None:
-        self._chunks.append(data)
         self._last = time.monotonic()
+        sink = self._sink
+        if sink is not None:
+            if not sink(data):
+                self._conn.pause()
+            return
+        self._chunks.append(data)
         self._queued += len(data)
         if self._queued > _HIGH_WATER:
             self._conn.pause()
