@@ -1,0 +1,153 @@
+"""A streaming client slower than its engine, through the gateway served by llmgw's own HTTP
+server: the engine's chunks are written to the client from the engine connection's
+callback (http.BodyWriter), so a client that stops reading must pause reading from the
+engine, and resume it when it reads again, losing and reordering nothing.
+
+The real front (``routes.gateway_first``), router, upstream pool and uvicorn server on
+loopback; the engine is a raw asyncio server streaming numbered SSE events as fast as its
+socket takes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+from types import SimpleNamespace
+
+import msgspec
+
+from llmgw.config import Gateway, Listen, Model
+from llmgw.core.catalog import catalog_from_config
+from llmgw.core.inventory import Timeouts
+from llmgw.server.agents.sessions import NodeSessions
+from llmgw.server.http import make_server
+from llmgw.server.listen import listening_socket
+from llmgw.server.metrics import Metrics
+from llmgw.server.openai import routes, upstream
+from llmgw.server.openai.proxy import upstream_pool
+from llmgw.server.openai.router import Router
+
+MODEL = "slow-reader-model"
+EVENTS = 32768
+PAD = "x" * 1000  # about 1 KiB an event: 32 MiB in all, more than twice what the socket buffers
+# between the engine and the client can hold (tcp_rmem and tcp_wmem at most 6 and 4 MiB)
+
+
+def _event(i: int) -> bytes:
+    data = b"data: " + json.dumps({"n": i, "pad": PAD}).encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class _Engine:
+    """Answers one streamed request with EVENTS events, written as fast as they drain."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.done = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            for i in range(EVENTS):
+                writer.write(_event(i))
+                self.written = i + 1
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            self.done.set()
+            await reader.read()  # until the gateway closes its kept-alive connection
+        finally:
+            writer.close()
+
+
+def _state(router: Router, pool) -> SimpleNamespace:
+    models = [msgspec.convert({"name": MODEL, "profiles": [{"engine": "sim"}]}, Model)]
+    controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
+                                 sessions=NodeSessions(Timeouts()),
+                                 why_not_ready=lambda model: "no replica is ready")
+    return SimpleNamespace(router=router, upstream=pool, controller=controller,
+                           config=SimpleNamespace(gateway=Gateway(),
+                                                  auth=SimpleNamespace(require_api_key=False)),
+                           metrics=Metrics(controller, router, process=False))
+
+
+async def _lifespan_only(scope, receive, send) -> None:
+    assert scope["type"] == "lifespan", "only /v1 POSTs are sent here"
+    while (message := await receive())["type"] != "lifespan.shutdown":
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+def _events(body: bytes) -> list[bytes]:
+    """The data lines of a chunked SSE body, in order."""
+    data = bytearray()
+    at = 0
+    while True:
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            break
+        data += body[eol + 2:eol + 2 + size]
+        at = eol + 2 + size + 2
+    return [line for line in bytes(data).split(b"\n") if line.startswith(b"data: ")]
+
+
+async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_event(
+        monkeypatch):
+    paused = asyncio.Event()
+    pause = upstream._Connection.pause
+
+    def seen_pause(self) -> None:
+        paused.set()
+        pause(self)
+
+    monkeypatch.setattr(upstream._Connection, "pause", seen_pause)
+    engine = _Engine()
+    engine_server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+    engine_port = engine_server.sockets[0].getsockname()[1]
+    router = Router(rng=random.Random(1))
+    router.update({MODEL: [("r0", "127.0.0.1", engine_port)]})
+    pool = upstream_pool(Gateway())
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+    port = sock.getsockname()[1]
+    server = make_server(routes.gateway_first(_lifespan_only, _state(router, pool)), sock)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**16)
+        client.settimeout(10)
+        await asyncio.to_thread(client.connect, ("127.0.0.1", port))
+        body = json.dumps({"model": MODEL, "stream": True,
+                           "messages": [{"role": "user", "content": "go"}]}).encode()
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                       b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                       % (len(body), body))
+        # The client reads nothing: the gateway must stop reading from the engine, which
+        # is then held back by its own socket, well short of the end.
+        await asyncio.wait_for(paused.wait(), 10)
+        assert not engine.done.is_set()
+        assert engine.written < EVENTS
+        answer = bytearray()
+        while not answer.endswith(b"\r\n0\r\n\r\n"):
+            piece = await asyncio.to_thread(client.recv, 2**20)
+            assert piece, "the gateway closed the connection mid-stream"
+            answer += piece
+        head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        lines = _events(rest)
+        assert [json.loads(line[6:])["n"] for line in lines] == list(range(EVENTS))
+        await asyncio.wait_for(engine.done.wait(), 5)
+    finally:
+        client.close()
+        server.stop()
+        await asyncio.wait_for(serving, 15)
+        await pool.close()
+        engine_server.close()
+        await engine_server.wait_closed()
