@@ -51,28 +51,65 @@ class BodyWriter:
     ``http.response.body`` (``more_body`` false), both still sent through ``send``, which
     keeps uvicorn's account of the response (keep-alive, the next pipelined request)."""
 
-    __slots__ = ("_cycle", "_protocol")
+    __slots__ = ("_cycle", "_held", "_protocol")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
         self._protocol = protocol
         self._cycle = cycle
+        self._held: _Held | None = None
+
+    def hold(self) -> None:
+        """Keep what ``send`` writes next (the response's head) until the next ``write``
+        or ``release``, so that a head and a first chunk at hand leave in one packet: the
+        client is woken once for both, not twice."""
+        if self._held is None:
+            cycle = self._cycle
+            self._held = _Held(cycle.transport)
+            cycle.transport = self._held  # what uvicorn's send writes to
+
+    def release(self) -> None:
+        """Write what ``hold`` kept, if anything is still kept."""
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._cycle.transport = held.transport
+            if held.parts and not self._cycle.disconnected:
+                held.transport.write(b"".join(held.parts))
 
     def write(self, chunk: bytes) -> bool:
         """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
         no more for now: its connection's buffer is full (``when_writable`` says when it
         drains) or it is gone (the app learns that from ``receive``)."""
         cycle = self._cycle
-        if cycle.disconnected:
-            return False
         if not cycle.chunked_encoding or cycle.response_complete:
             raise RuntimeError("BodyWriter.write outside a started chunked response")
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        return not cycle.flow.write_paused
+        held = self._held
+        if held is not None:
+            held.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self.release()
+        elif cycle.disconnected:
+            return False
+        else:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return not (cycle.flow.write_paused or cycle.disconnected)
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """After ``write`` said False: call ``callback`` once, when the client's connection
         has drained (never, if the client is gone)."""
         self._protocol._on_writable = callback
+
+
+class _Held:
+    """Stands in for a client's transport while BodyWriter.hold keeps what is written."""
+
+    __slots__ = ("parts", "transport")
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):

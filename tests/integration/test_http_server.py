@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import uvicorn.server
 
 from llmgw import pki
 from llmgw.config import Listen
@@ -51,6 +52,7 @@ async def _written(scope, send, chunks: int, running: _Running) -> None:
     """``chunks`` chunks of CHUNK bytes (chunk i all bytes i % 251) written through the
     BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full."""
     writer = scope["extensions"][BODY_WRITER]
+    writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/octet-stream")]})
     done = asyncio.Event()
@@ -298,3 +300,70 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing():
             assert again.startswith(b"HTTP/1.1 200 "), again[:200]
         finally:
             conn.close()
+
+
+class _Recording(asyncio.Transport):
+    """A client connection that keeps each write apart, to count them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8080)}.get(
+            name, default)
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
+    transport = _Recording()
+    seen: list[list[bytes]] = []
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+        writer.hold()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        seen.append(list(transport.writes))  # the head is held: nothing written yet
+        if scope["path"] == "/chunk":
+            assert writer.write(b"data: 1\n\n")
+        writer.release()  # whatever is still held goes now, once
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+    try:
+        config = make_server(app, sock).config
+        config.load()
+        server_state = uvicorn.server.ServerState()
+        protocol = config.http_protocol_class(config=config, server_state=server_state,
+                                              app_state={})
+        protocol.connection_made(transport)
+        for path in (b"/chunk", b"/nothing"):
+            transport.writes.clear()
+            protocol.data_received(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(asyncio.gather(*server_state.tasks), 5)
+            assert seen.pop() == []
+            head, chunked_end = transport.writes[0].split(b"\r\n\r\n", 1), transport.writes[1:]
+            assert head[0].startswith(b"HTTP/1.1 200 OK")
+            if path == b"/chunk":
+                assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # one write: the head and the chunk
+            else:
+                assert head[1] == b""  # released: the head alone
+            assert chunked_end == [b"0\r\n\r\n"]
+        protocol.connection_lost(None)
+    finally:
+        sock.close()

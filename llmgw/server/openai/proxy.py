@@ -145,8 +145,21 @@ async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                  progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
                  ) -> None:
     progress.started(200)
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
+    if writer is not None and upstream.pending:
+        # The first chunk came with the head: both go to the client in one write.
+        writer.hold()
+    try:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
+        await _body(upstream, replica, gateway, send, progress, usage, writer)
+    finally:
+        if writer is not None:
+            writer.release()
+
+
+async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
+                progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
+                ) -> None:
     tail = b""
     reader = StreamUsage() if usage is not None else None
     try:

@@ -179,6 +179,11 @@ class Answer:
 
     # --- read side ------------------------------------------------------------------------
 
+    @property
+    def pending(self) -> bool:
+        """Some of the body was received and not read yet."""
+        return bool(self._chunks)
+
     async def headers_done(self) -> None:
         if self.status:
             return
