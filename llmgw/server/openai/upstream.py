@@ -276,7 +276,7 @@ class Answer:
     # --- timers ---------------------------------------------------------------------------
 
     def _arm(self, seconds: float) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop
         self._deadline = loop.time() + seconds
         self._timer = loop.call_at(self._deadline, self._expired)
 
