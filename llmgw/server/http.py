@@ -121,13 +121,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     Each request is offered a BodyWriter (above).
 
-    It overrides parser callbacks and four methods of uvicorn 0.54's protocol (pinned in
-    pyproject.toml): ``send_400_response``, which its ``data_received`` calls on a parser
+    It overrides parser callbacks and five methods of uvicorn 0.54's protocol (pinned in
+    pyproject.toml): ``data_received``, ``send_400_response``, which it calls on a parser
     error, ``shutdown``, ``resume_writing`` and the connection callbacks; BodyWriter reads
     its request cycle's response state and writes as its ``send`` does.
     tests/integration/test_http_server.py fails if an upgrade changes them."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _in_head = False
     _head_bytes = 0
     _head_refused: bytes | None = None
     _requests = 0
@@ -149,11 +150,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if callback is not None:
             callback()
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and self._head_timer is None and not self.transport.is_closing():
+            # A head that did not come whole: from here it has HEAD_TIMEOUT_S to finish. (A
+            # head that comes in one packet, as most do, never pays for a timer.)
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+        self._in_head = True
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -164,6 +171,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._stop_head_timer()
         self._requests += 1
         super().on_headers_complete()

@@ -144,10 +144,18 @@ async def test_a_head_over_the_limit_is_refused_with_431_and_a_reason():
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
-def _silent_then_read(port: int, request: bytes) -> tuple[bytes, float]:
-    """Send ``request`` (a head left unfinished, or nothing), then read until the server
-    closes: what it said, and after how long."""
+def _silent_then_read(port: int, request: bytes, served: bytes = b"") -> tuple[bytes, float]:
+    """Send ``served`` (a whole request) and read its answer, then send ``request`` (a head
+    left unfinished, or nothing) and read until the server closes: what it said to that,
+    and after how long."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        if served:
+            conn.sendall(served)
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n"):
+                chunk = conn.recv(65536)
+                assert chunk, "closed before answering the first request"
+                answer += chunk
         started = time.monotonic()
         conn.sendall(request)
         answer = b""
@@ -156,12 +164,18 @@ def _silent_then_read(port: int, request: bytes) -> tuple[bytes, float]:
         return answer, time.monotonic() - started
 
 
-@pytest.mark.parametrize("request_sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nho"],
-                         ids=["nothing", "half a head"])
-async def test_a_head_not_finished_in_time_is_refused_with_408(monkeypatch, request_sent):
+HALF_A_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nho"
+
+
+@pytest.mark.parametrize(("served", "request_sent"), [
+    (b"", b""), (b"", HALF_A_HEAD), (b"GET / HTTP/1.1\r\nhost: x\r\n\r\n", HALF_A_HEAD),
+], ids=["nothing", "half a head", "half a head after a request on the same connection"])
+async def test_a_head_not_finished_in_time_is_refused_with_408(monkeypatch, served,
+                                                               request_sent):
     monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.3)
     async with _Running() as running:
-        answer, took = await asyncio.to_thread(_silent_then_read, running.port, request_sent)
+        answer, took = await asyncio.to_thread(_silent_then_read, running.port, request_sent,
+                                               served)
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
         assert b"did not arrive within 0.3 s" in answer
         assert 0.25 < took < 5
