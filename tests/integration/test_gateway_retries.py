@@ -12,20 +12,15 @@ import asyncio
 import json
 import random
 import socket
-from types import SimpleNamespace
 
-import msgspec
 import pytest
 
-from llmgw.config import Gateway, Model
-from llmgw.core.catalog import catalog_from_config
-from llmgw.core.inventory import Timeouts
-from llmgw.server.agents.sessions import NodeSessions
-from llmgw.server.metrics import Metrics
+from llmgw.config import Gateway
 from llmgw.server.openai import routes
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from tests.integration.cluster import free_port
+from tests.integration.gateway_state import gateway_state
 from tests.integration.test_sim_engine import MODEL, Launcher, http, wait_for
 
 
@@ -42,16 +37,6 @@ def engines(tmp_path_factory):
     launcher.stop_all()
 
 
-def _state(router: Router, pool) -> SimpleNamespace:
-    models = [msgspec.convert({"name": MODEL, "profiles": [{"engine": "sim"}]}, Model)]
-    controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
-                                 sessions=NodeSessions(Timeouts()),
-                                 why_not_ready=lambda model: "no replica is ready")
-    return SimpleNamespace(router=router, upstream=pool, controller=controller,
-                           config=SimpleNamespace(gateway=Gateway()),
-                           metrics=Metrics(controller, router, process=False))
-
-
 async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines):
     healthy, lonely, refusing = engines
     router = Router(rng=random.Random(7))  # seeded: the same draws every run
@@ -64,7 +49,7 @@ async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines
     before = http(healthy.port, "/sim/stats")[1]["requests_total"]
     pool = upstream_pool(Gateway())
     try:
-        state = _state(router, pool)
+        state = gateway_state(MODEL, router, pool)
         for _ in range(12):
             sent: list[dict] = []
 
@@ -118,7 +103,7 @@ async def test_a_stream_broken_after_its_first_byte_is_not_retried():
 
     pool = upstream_pool(Gateway())
     try:
-        state = _state(router, pool)
+        state = gateway_state(MODEL, router, pool)
         await routes._route(state, routes._parse(body, "messages"), None,
                             "/v1/chat/completions", body, send, None, routes._Seen(state.metrics))
     finally:

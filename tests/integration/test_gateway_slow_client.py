@@ -14,20 +14,14 @@ import asyncio
 import json
 import random
 import socket
-from types import SimpleNamespace
 
-import msgspec
-
-from llmgw.config import Gateway, Listen, Model
-from llmgw.core.catalog import catalog_from_config
-from llmgw.core.inventory import Timeouts
-from llmgw.server.agents.sessions import NodeSessions
+from llmgw.config import Gateway, Listen
 from llmgw.server.http import make_server
 from llmgw.server.listen import listening_socket
-from llmgw.server.metrics import Metrics
 from llmgw.server.openai import routes, upstream
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
+from tests.integration.gateway_state import gateway_state
 
 MODEL = "slow-reader-model"
 EVENTS = 32768
@@ -64,17 +58,6 @@ class _Engine:
             await reader.read()  # until the gateway closes its kept-alive connection
         finally:
             writer.close()
-
-
-def _state(router: Router, pool) -> SimpleNamespace:
-    models = [msgspec.convert({"name": MODEL, "profiles": [{"engine": "sim"}]}, Model)]
-    controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
-                                 sessions=NodeSessions(Timeouts()),
-                                 why_not_ready=lambda model: "no replica is ready")
-    return SimpleNamespace(router=router, upstream=pool, controller=controller,
-                           config=SimpleNamespace(gateway=Gateway(),
-                                                  auth=SimpleNamespace(require_api_key=False)),
-                           metrics=Metrics(controller, router, process=False))
 
 
 async def _lifespan_only(scope, receive, send) -> None:
@@ -117,7 +100,8 @@ async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_
     pool = upstream_pool(Gateway())
     sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
     port = sock.getsockname()[1]
-    server = make_server(routes.gateway_first(_lifespan_only, _state(router, pool)), sock)
+    app = routes.gateway_first(_lifespan_only, gateway_state(MODEL, router, pool))
+    server = make_server(app, sock)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     client = socket.socket()
     try:
