@@ -46,12 +46,14 @@ class BodyWriter:
     """Writes the chunks of one request's streamed response body straight to the client's
     connection, from any callback: the gateway hands each chunk of an engine's stream over
     from the engine connection's own callback, with no task woken and no ``send`` awaited
-    per chunk (bench/README.md has what that saves). Offered to the app as the ASGI
+    per chunk (bench/README.md has what that saves). And joins what ``send`` writes, so
+    that a response's head and body leave in one packet. Offered to the app as the ASGI
     extension BODY_WRITER.
 
-    For a chunked response only, between an ``http.response.start`` and the last
-    ``http.response.body`` (``more_body`` false), both still sent through ``send``, which
-    keeps uvicorn's account of the response (keep-alive, the next pipelined request)."""
+    ``write`` is for a chunked response only, between an ``http.response.start`` and the
+    last ``http.response.body`` (``more_body`` false), both still sent through ``send``,
+    which keeps uvicorn's account of the response (keep-alive, the next pipelined
+    request)."""
 
     __slots__ = ("_cycle", "_held", "_protocol")
 
@@ -61,9 +63,9 @@ class BodyWriter:
         self._held: _Held | None = None
 
     def hold(self) -> None:
-        """Keep what ``send`` writes next (the response's head) until the next ``write``
-        or ``release``, so that a head and a first chunk at hand leave in one packet: the
-        client is woken once for both, not twice."""
+        """Keep what ``send`` writes (a response's head, a whole answer's body) until the
+        next ``write`` or ``release``, so that it leaves in one packet: the client is
+        woken once, not once per part. ``release`` must follow, whatever happens."""
         if self._held is None:
             cycle = self._cycle
             self._held = _Held(cycle.transport)
@@ -112,6 +114,14 @@ class _Held:
 
     def write(self, data: bytes) -> None:
         self.parts.append(data)
+
+    def close(self) -> None:
+        # uvicorn's send closes the connection after the last body of a response that
+        # does not keep it alive: what was kept goes first.
+        if self.parts:
+            self.transport.write(b"".join(self.parts))
+            self.parts.clear()
+        self.transport.close()
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):

@@ -328,6 +328,7 @@ class _Recording(asyncio.Transport):
             name, default)
 
     def write(self, data: bytes) -> None:
+        assert not self.closed, "written after close"
         self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
@@ -340,7 +341,9 @@ class _Recording(asyncio.Transport):
         pass
 
     def close(self) -> None:
-        pass
+        self.closed = True
+
+    closed = False
 
 
 async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
@@ -378,6 +381,42 @@ async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
             else:
                 assert head[1] == b""  # released: the head alone
             assert chunked_end == [b"0\r\n\r\n"]
+        protocol.connection_lost(None)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("connection", [b"keep-alive", b"close"])
+async def test_a_held_answer_leaves_whole_in_one_write(connection):
+    transport = _Recording()
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+        writer.hold()
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", b"11")]})
+            await send({"type": "http.response.body", "body": b'{"ok":true}'})
+        finally:
+            writer.release()
+
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+    try:
+        config = make_server(app, sock).config
+        config.load()
+        server_state = uvicorn.server.ServerState()
+        protocol = config.http_protocol_class(config=config, server_state=server_state,
+                                              app_state={})
+        protocol.connection_made(transport)
+        protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: " + connection
+                               + b"\r\n\r\n")
+        await asyncio.wait_for(asyncio.gather(*server_state.tasks), 5)
+        assert len(transport.writes) == 1, transport.writes  # the head and the body
+        assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+        assert transport.writes[0].endswith(b'\r\n\r\n{"ok":true}')
+        # Not kept alive: closed after the answer was written, not before.
+        assert transport.closed is (connection == b"close")
         protocol.connection_lost(None)
     finally:
         sock.close()

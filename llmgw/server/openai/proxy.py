@@ -101,7 +101,8 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
             if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
                 await _relay(upstream, lease.replica, gateway, send, progress, usage, writer)
             else:
-                await _answer(upstream, lease.replica, gateway, send, progress, usage)
+                await _answer(upstream, lease.replica, gateway, send, progress, usage,
+                              writer)
         finally:
             # Back to the pool when read to the end; dropped where the answer was cut
             # short, which is how the engine learns that nobody is listening any more.
@@ -118,7 +119,8 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                  progress: Progress, usage: UsageSink | None) -> None:
+                  progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
+                  ) -> None:
     try:
         content = await upstream.read()
     except UpstreamTimeout:
@@ -132,11 +134,17 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     if not any(k == b"content-type" for k, _ in headers):
         headers = [*headers, (b"content-type", _JSON)]
     progress.started(upstream.status)
-    await send({"type": "http.response.start", "status": upstream.status,
-                "headers": [*headers, (b"content-length", str(len(content)).encode())]})
-    if content:
-        progress.first_bytes()
-    await send({"type": "http.response.body", "body": content})
+    if writer is not None:
+        writer.hold()  # head and body in one write
+    try:
+        await send({"type": "http.response.start", "status": upstream.status,
+                    "headers": [*headers, (b"content-length", str(len(content)).encode())]})
+        if content:
+            progress.first_bytes()
+        await send({"type": "http.response.body", "body": content})
+    finally:
+        if writer is not None:
+            writer.release()
     if usage is not None and 200 <= upstream.status < 300:
         usage(usage_from_body(content))
 
