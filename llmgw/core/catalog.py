@@ -76,9 +76,15 @@ class Model:
 @dataclass(frozen=True, slots=True)
 class Catalog:
     models: tuple[Model, ...] = field(default=())
+    # Looked up on every /v1 request: by name, not by a scan of the models.
+    _by_name: dict[str, Model] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # reversed: where two models share a name, the first is the one found.
+        object.__setattr__(self, "_by_name", {m.name: m for m in reversed(self.models)})
 
     def get(self, name: str) -> Model | None:
-        return next((m for m in self.models if m.name == name), None)
+        return self._by_name.get(name)
 
     def names(self) -> list[str]:
         return [m.name for m in self.models]

@@ -304,7 +304,18 @@ def test_catalog_from_a_good_config() -> None:
         startup_timeout_s=1200.0,
     )
     assert catalog.get("sim:tiny") == Model("sim:tiny", (Profile("default", "sim"),))
+    assert catalog.get("sim:huge") is None
     assert catalog_from_config([]) == Catalog()
+
+
+def test_catalog_lookup_by_name_finds_the_first_of_a_name_and_is_not_compared() -> None:
+    first, second = Model("m", (Profile("a", "sim"),)), Model("m", (Profile("b", "sim"),))
+    other = Model("n", (Profile("a", "sim"),))
+    catalog = Catalog((first, second, other))
+    assert catalog.get("m") is first and catalog.get("n") is other
+    assert catalog.get("x") is None
+    assert catalog == Catalog((first, second, other))  # the index takes no part
+    assert "_by_name" not in repr(catalog)
 
 
 def test_unknown_engine_is_refused_listing_the_known_ones() -> None:
