@@ -139,7 +139,8 @@ def choose(targets: Sequence[T], rng: random.Random, *, ring: Ring | None = None
            epsilon: float = DEFAULT_EPSILON, exclude: Collection[str] = ()) -> T | None:
     """Affinity first when there is a key and a ring, else (or when no replica is under the
     bound) the power of two choices. ``None``: every eligible replica is full, or none is."""
-    if key is not None and ring is not None:
+    # With one replica there is nothing for affinity to choose: no hashing of the key.
+    if key is not None and ring is not None and len(targets) > 1:
         target = by_affinity(targets, ring, key, total, epsilon, exclude)
         if target is not None:
             return target

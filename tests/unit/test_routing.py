@@ -194,6 +194,20 @@ def test_choose_without_a_key_or_with_nothing_under_the_bound_uses_two_choices()
                   exclude={home.replica}) is other, "excluded home; the rest is over the bound"
 
 
+def test_one_replica_is_chosen_with_a_key_as_without_and_the_key_is_not_hashed(monkeypatch):
+    def no_hash(data):
+        raise AssertionError("a key hashed with one replica to choose from")
+
+    targets = replicas(0)
+    ring = Ring([t.replica for t in targets])  # hashed here, before the patch
+    monkeypatch.setattr(routing, "stable_hash", no_hash)
+    rng = random.Random(0)
+    assert choose(targets, rng, ring=ring, key="k") is targets[0]
+    assert choose(targets, rng, ring=ring, key="k", exclude={targets[0].replica}) is None
+    targets[0].outstanding = targets[0].slots
+    assert choose(targets, rng, ring=ring, key="k", total=targets[0].slots) is None
+
+
 def test_the_affinity_key_is_the_user_else_the_start_of_the_conversation():
     assert routing.affinity_key("alice", b'[{"role":"user"}]') == b"user:alice"
     long = b'[{"role":"system","content":"' + b"x" * 1000 + b'"}]'
