@@ -346,8 +346,35 @@ class _Recording(asyncio.Transport):
     closed = False
 
 
+class _Protocol:
+    """llmgw's HTTP protocol, as ``make_server`` configures it, serving ``app`` over a
+    recording transport: each write to the client is kept apart, to count them."""
+
+    def __init__(self, app) -> None:
+        self.transport = _Recording()
+        sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+        try:
+            config = make_server(app, sock).config
+            config.load()
+        finally:
+            sock.close()
+        self.state = uvicorn.server.ServerState()
+        self.protocol = config.http_protocol_class(config=config, server_state=self.state,
+                                                   app_state={})
+        self.protocol.connection_made(self.transport)
+
+    async def request(self, head: bytes) -> list[bytes]:
+        """The writes made to answer one request (its head given whole)."""
+        self.transport.writes.clear()
+        self.protocol.data_received(head)
+        await asyncio.wait_for(asyncio.gather(*self.state.tasks), 5)
+        return list(self.transport.writes)
+
+    def close(self) -> None:
+        self.protocol.connection_lost(None)
+
+
 async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
-    transport = _Recording()
     seen: list[list[bytes]] = []
 
     async def app(scope, receive, send) -> None:
@@ -355,41 +382,28 @@ async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
         writer.hold()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        seen.append(list(transport.writes))  # the head is held: nothing written yet
+        seen.append(list(served.transport.writes))  # the head is held: nothing written yet
         if scope["path"] == "/chunk":
             assert writer.write(b"data: 1\n\n")
         writer.release()  # whatever is still held goes now, once
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    try:
-        config = make_server(app, sock).config
-        config.load()
-        server_state = uvicorn.server.ServerState()
-        protocol = config.http_protocol_class(config=config, server_state=server_state,
-                                              app_state={})
-        protocol.connection_made(transport)
-        for path in (b"/chunk", b"/nothing"):
-            transport.writes.clear()
-            protocol.data_received(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
-            await asyncio.wait_for(asyncio.gather(*server_state.tasks), 5)
-            assert seen.pop() == []
-            head, chunked_end = transport.writes[0].split(b"\r\n\r\n", 1), transport.writes[1:]
-            assert head[0].startswith(b"HTTP/1.1 200 OK")
-            if path == b"/chunk":
-                assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # one write: the head and the chunk
-            else:
-                assert head[1] == b""  # released: the head alone
-            assert chunked_end == [b"0\r\n\r\n"]
-        protocol.connection_lost(None)
-    finally:
-        sock.close()
+    served = _Protocol(app)
+    for path in (b"/chunk", b"/nothing"):
+        writes = await served.request(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert seen.pop() == []
+        head, chunked_end = writes[0].split(b"\r\n\r\n", 1), writes[1:]
+        assert head[0].startswith(b"HTTP/1.1 200 OK")
+        if path == b"/chunk":
+            assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # one write: the head and the chunk
+        else:
+            assert head[1] == b""  # released: the head alone
+        assert chunked_end == [b"0\r\n\r\n"]
+    served.close()
 
 
 @pytest.mark.parametrize("connection", [b"keep-alive", b"close"])
 async def test_a_held_answer_leaves_whole_in_one_write(connection):
-    transport = _Recording()
-
     async def app(scope, receive, send) -> None:
         writer = scope["extensions"][BODY_WRITER]
         writer.hold()
@@ -401,22 +415,12 @@ async def test_a_held_answer_leaves_whole_in_one_write(connection):
         finally:
             writer.release()
 
-    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    try:
-        config = make_server(app, sock).config
-        config.load()
-        server_state = uvicorn.server.ServerState()
-        protocol = config.http_protocol_class(config=config, server_state=server_state,
-                                              app_state={})
-        protocol.connection_made(transport)
-        protocol.data_received(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: " + connection
-                               + b"\r\n\r\n")
-        await asyncio.wait_for(asyncio.gather(*server_state.tasks), 5)
-        assert len(transport.writes) == 1, transport.writes  # the head and the body
-        assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
-        assert transport.writes[0].endswith(b'\r\n\r\n{"ok":true}')
-        # Not kept alive: closed after the answer was written, not before.
-        assert transport.closed is (connection == b"close")
-        protocol.connection_lost(None)
-    finally:
-        sock.close()
+    served = _Protocol(app)
+    writes = await served.request(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: " + connection
+                                  + b"\r\n\r\n")
+    assert len(writes) == 1, writes  # the head and the body
+    assert writes[0].startswith(b"HTTP/1.1 200 OK")
+    assert writes[0].endswith(b'\r\n\r\n{"ok":true}')
+    # Not kept alive: closed after the answer was written, not before.
+    assert served.transport.closed is (connection == b"close")
+    served.close()
