@@ -71,8 +71,9 @@ _ACCEPT_STREAM = b"text/event-stream"
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
                   gateway: Gateway, send: Send, progress: Progress,
                   usage: UsageSink | None = None, writer: BodyWriter | None = None) -> None:
-    """Forward one request on ``lease`` and write the answer with ``send``, a stream's
-    chunks with ``writer`` where the server offers one. Raises ``Retryable`` or
+    """Forward one request on ``lease`` and write the answer with ``send``; where the
+    server offers a ``writer``, a stream's chunks go through it, and a response's head
+    leaves in one write with the first bytes that came with it. Raises ``Retryable`` or
     ``ApiError`` only before anything was sent to the client; the lease is released however
     this ends. ``usage``, when given, is called once with the tokens the engine reported
     for a successful answer (None when it reported none)."""
