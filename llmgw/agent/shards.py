@@ -384,8 +384,13 @@ class ShardSupervisor:
         """Watch a ready shard until it exits or stays unhealthy: (unit, code, why). A
         ready engine can stop answering without exiting (a multi-node leader whose worker
         died answers 503): it is reported unhealthy, so the gateway stops sending it
-        requests, then failed if it does not recover."""
-        address = self._health_address(record)
+        requests, then failed if it does not recover.
+
+        A shard ready by a TCP connection (``tcp_ready``, no HTTP) is watched by its
+        process only: llama.cpp's RPC worker serves one client at a time, its leader, with a
+        listen backlog of one, so once the leader is connected probes queue unaccepted and
+        time out, and a healthy worker would be failed. A worker that dies is seen to exit."""
+        address = None if record.health_path is None else self._health_address(record)
         failing_since: float | None = None
         while True:
             await asyncio.wait([exit_task], timeout=self._health.every_s)

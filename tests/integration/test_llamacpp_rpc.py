@@ -18,8 +18,12 @@ def test_two_node_replica_over_rpc_answers_through_its_leader(make_cluster, llam
          "args": ["--threads", "1", "--ctx-size", "2048"]}]}
     cluster = make_cluster(models=[model])
     cluster.start_server()
+    # Health checked five times a second: were the worker probed while its leader holds
+    # it, the probes would fill its one-deep accept queue within the first second.
+    health = {"every_s": 0.2, "unhealthy_after_s": 0.5}
     for node in ("node-a", "node-b"):
-        cluster.add_agent(node, fabric="lo", engines={"llama.cpp": {"binary": server}})
+        cluster.add_agent(node, fabric="lo", engines={"llama.cpp": {"binary": server}},
+                          shard_health=health)
     [replica] = cluster.wait_ready(MODEL, timeout_s=90)
     leader, worker = sorted(replica["shards"], key=lambda s: s["rank"])
     assert leader["node"] != worker["node"], "one shard per node"
@@ -31,11 +35,15 @@ def test_two_node_replica_over_rpc_answers_through_its_leader(make_cluster, llam
         messages=[{"role": "user", "content": "What is 2+2? Answer with the number."}])
     assert "4" in reply.choices[0].message.content
 
-    # The worker is an RPC server: it takes TCP connections but speaks no HTTP.
+    # The worker is an RPC server: it takes TCP connections but speaks no HTTP. Serving its
+    # leader, it accepts no other client; the kernel still queues one more connection,
+    # which it would not were the agent's probes filling the queue.
     with socket.create_connection(("127.0.0.1", worker["port"]), timeout=5):
         pass
     with pytest.raises(httpx.HTTPError):
-        httpx.get(f"http://127.0.0.1:{worker['port']}/health", timeout=5)
+        httpx.get(f"http://127.0.0.1:{worker['port']}/health", timeout=1)
+    [replica] = cluster.replicas(MODEL)
+    assert {s["state"] for s in replica["shards"]} == {"ready"}, replica
     # And the leader really used it: the worker's own log shows the leader's connections.
     agent = cluster.agents[worker["node"]]
     [record] = agent.shard_records()
