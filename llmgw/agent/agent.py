@@ -218,11 +218,16 @@ class Agent:
             disabled_engines=sorted(self.config.disable_engines),
         )
 
-    def ports_busy(self) -> list[int]:
-        """Ports in our range that something other than our shards listens on."""
+    def ports_busy(self, own: set[int] | None = None) -> list[int]:
+        """Ports in our range that something other than our shards listens on. ``own``:
+        our shards' ports, read on the event loop before the scan where this runs in a
+        thread; read after it, a shard that stopped during the scan (its port seen
+        listening, no longer ours) would be reported as somebody else's, and the control
+        plane would evict another replica to make the room that was already free."""
         # A shard still stopping holds its port, but as ours: the control plane already
         # counts it as taken until the stop is confirmed.
-        return sorted(host.listening_ports(*self.config.port_range) - self.supervisor.own_ports())
+        own = self.supervisor.own_ports() if own is None else own
+        return sorted(host.listening_ports(*self.config.port_range) - own)
 
     def register(self, inventory: wire.Inventory) -> wire.Register:
         return wire.Register(
@@ -232,12 +237,14 @@ class Agent:
             installable_engines=self.installer.installable(),
         )
 
-    def heartbeat(self) -> wire.Heartbeat:
+    def heartbeat(self, own_ports: set[int]) -> wire.Heartbeat:
+        """What changes by the second; runs in a thread, so ``own_ports`` (our shards'
+        ports) is read on the event loop first (see ports_busy)."""
         _, available = host.memory_mib()
         free = [g.memory_free_mib for g in gpus.discover_gpus().gpus]
         return wire.Heartbeat(ram_available_mib=available, gpu_memory_free_mib=free,
                               weights_free_mib=self.weights.free_mib(),
-                              ports_busy=self.ports_busy(), sent_at=time.time())
+                              ports_busy=self.ports_busy(own_ports), sent_at=time.time())
 
     async def run(self) -> None:
         """Serve until cancelled."""
@@ -395,7 +402,8 @@ class Agent:
             try:
                 message = await asyncio.wait_for(self._outbox.get(), timeout)
             except TimeoutError:
-                message = await asyncio.to_thread(self.heartbeat)
+                message = await asyncio.to_thread(self.heartbeat,
+                                                  self.supervisor.own_ports())
                 next_beat = time.monotonic() + interval_s
             await ws.send_bytes(wire.encode(message))
 
