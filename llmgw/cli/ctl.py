@@ -553,9 +553,9 @@ def _count(text: str) -> int:
     return value
 
 
-def add_parsers(ctl) -> None:
-    """The account and key commands, under an existing ``llmgw ctl`` parser."""
-    common = argparse.ArgumentParser(add_help=False)
+def _common_options(default: object = None) -> argparse.ArgumentParser:
+    """The options every command takes, each defaulting to ``default`` where given."""
+    common = argparse.ArgumentParser(add_help=False, argument_default=default)
     common.add_argument("--server", help="the server's URL (default: $LLMGW_SERVER, the "
                         f"saved session's, or {DEFAULT_SERVER})")
     common.add_argument("--token", help="the admin token or a session token "
@@ -563,9 +563,20 @@ def add_parsers(ctl) -> None:
     common.add_argument("--ca-file", help="the cluster CA's PEM file, to trust an https "
                         "server (default: $LLMGW_CA_FILE, else the system's CAs)")
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return common
+
+
+def add_parsers(ctl) -> None:
+    """The account and key commands, under an existing ``llmgw ctl`` parser."""
+    common = _common_options()
+    # Under a group that takes the options too (``nodes --json list``): a command's own
+    # defaults would overwrite what the group parsed, so it has none.
+    common_in_group = _common_options(argparse.SUPPRESS)
+    groups = []
 
     def command(parent, name, func, help_text):
-        p = parent.add_parser(name, parents=[common], help=help_text, description=help_text)
+        options = common_in_group if parent in groups else common
+        p = parent.add_parser(name, parents=[options], help=help_text, description=help_text)
         p.set_defaults(func=lambda a: _run(func, a))
         return p
 
@@ -612,9 +623,14 @@ def add_parsers(ctl) -> None:
     p.add_argument("--password", action="store_true", help="ask for a new password")
     p.add_argument("--password-stdin", action="store_true")
 
+    def group(name, listing, help_text):
+        """A group of commands whose bare name lists, as its ``list`` does."""
+        p = command(ctl, name, listing, f"{help_text}; alone: list")
+        groups.append(p.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
+        return groups[-1]
+
     command(ctl, "status", status, "models, their replicas and where they run")
-    nodes = ctl.add_parser("nodes", help="nodes (admins)").add_subparsers(
-        dest="nodes_command", metavar="COMMAND", required=True)
+    nodes = group("nodes", nodes_list, "nodes (admins)")
     command(nodes, "list", nodes_list, "each node: state, address, GPUs, engines, warnings")
     p = command(nodes, "drain", nodes_drain, "move a node's replicas away, for maintenance")
     p.add_argument("node")
@@ -629,8 +645,7 @@ def add_parsers(ctl) -> None:
                 "closed and it cannot connect again until it joins again")
     p.add_argument("node")
 
-    models = ctl.add_parser("models", help="models: list, add, remove, scale").add_subparsers(
-        dest="models_command", metavar="COMMAND", required=True)
+    models = group("models", models_list, "models: list, add, remove, scale")
     command(models, "list", models_list, "every model: where it is declared, replicas wanted "
             "and ready, where they run")
     p = command(models, "add", models_add, "add a model (admins); it is kept in the store "

@@ -98,6 +98,8 @@ def test_nodes_list_drain_and_undrain(cluster):
     assert table.code == 0 and "node-a" in table.out and "ready" in table.out
     for column in ("address", "fabric", "gpus", "engines", "warnings"):
         assert column in table.out
+    bare = ctl(cluster, "nodes")  # alone, the group lists
+    assert bare.code == 0 and bare.out == table.out
 
     drained = ctl(cluster, "nodes", "drain", "node-a", "--json").json()
     assert drained["state"] == "draining" == cluster.node_state("node-a")
@@ -140,6 +142,7 @@ def test_models_add_scale_and_remove(cluster):
              "models list to count two ready replicas")
     table = ctl(cluster, "models", "list")
     assert table.code == 0 and "sim-api" in table.out and "default: sim" in table.out
+    assert ctl(cluster, "models").out == table.out
 
     removed = ctl(cluster, "models", "remove", "sim-api", "--json").json()
     assert removed == {"removed": "sim-api"}
