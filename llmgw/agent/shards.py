@@ -299,7 +299,13 @@ class ShardSupervisor:
         startup_timeout_s = record.startup_timeout_s
         exit_task = asyncio.create_task(self._first_exit(record))
         try:
-            ready = await self._until_ready(record, exit_task, startup_timeout_s)
+            if adopted and record.health_path is None:
+                # Started by an agent before this one, and still running. Not probed: a
+                # llama.cpp RPC worker serving its leader leaves each probe in its one-deep
+                # accept queue, so from the third agent restart on none would be accepted.
+                ready = not exit_task.done()
+            else:
+                ready = await self._until_ready(record, exit_task, startup_timeout_s)
             off_gpu = await self._gpus_not_held(record) if ready and not adopted else []
             if off_gpu:
                 self._finish(record, f"answers its health check but holds no memory on GPU "

@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.cluster import wait_for
+
 MODEL = "smollm2-rpc"
 
 
@@ -34,6 +36,17 @@ def test_two_node_replica_over_rpc_answers_through_its_leader(make_cluster, llam
         model=MODEL, temperature=0, max_tokens=24,
         messages=[{"role": "user", "content": "What is 2+2? Answer with the number."}])
     assert "4" in reply.choices[0].message.content
+
+    # The worker's agent is restarted three times (an upgrade, say): it adopts the worker
+    # without probing it, so the probes of earlier agents do not fill its accept queue.
+    worker_agent = cluster.agents[worker["node"]]
+    for round_ in range(3):
+        worker_agent.kill()
+        worker_agent.start()
+        wait_for(lambda n=round_ + 2: worker_agent.log.read_text().count("registered with")
+                 == n, 15, f"the worker's agent to register again (round {round_})")
+        wait_for(lambda: cluster.ready_replicas(MODEL), 15, "the replica to be ready")
+    assert [r["id"] for r in cluster.ready_replicas(MODEL)] == [replica["id"]]
 
     # The worker is an RPC server: it takes TCP connections but speaks no HTTP. Serving its
     # leader, it accepts no other client; the kernel still queues one more connection,
