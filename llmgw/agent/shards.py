@@ -299,10 +299,8 @@ class ShardSupervisor:
         startup_timeout_s = record.startup_timeout_s
         exit_task = asyncio.create_task(self._first_exit(record))
         try:
-            if adopted and record.health_path is None:
-                # Started by an agent before this one, and still running. Not probed: a
-                # llama.cpp RPC worker serving its leader leaves each probe in its one-deep
-                # accept queue, so from the third agent restart on none would be accepted.
+            if adopted and self._watched_address(record) is None:
+                # Started (and made ready) by an agent before this one, and still running.
                 ready = not exit_task.done()
             else:
                 ready = await self._until_ready(record, exit_task, startup_timeout_s)
@@ -360,6 +358,15 @@ class ShardSupervisor:
             return None
         return _hostport(self._facts.bind_address, record.port)
 
+    def _watched_address(self, record: ShardRecord) -> str | None:
+        """Where a shard that has been ready (started so, or adopted) is checked; None to
+        watch its process only. A shard ready by a TCP connection (``tcp_ready``, no HTTP)
+        is not probed again: llama.cpp's RPC worker serves one client at a time, its
+        leader, with a listen backlog of one, so once the leader is connected each probe
+        stays in its accept queue; from the third on they time out, and a healthy worker
+        would be failed (or, adopted after agent restarts, never ready again)."""
+        return None if record.health_path is None else self._health_address(record)
+
     async def _unhealthy(self, record: ShardRecord, address: str) -> str | None:
         """None when the engine answers its health check, else what it did instead."""
         if record.health_path is None:
@@ -390,13 +397,9 @@ class ShardSupervisor:
         """Watch a ready shard until it exits or stays unhealthy: (unit, code, why). A
         ready engine can stop answering without exiting (a multi-node leader whose worker
         died answers 503): it is reported unhealthy, so the gateway stops sending it
-        requests, then failed if it does not recover.
-
-        A shard ready by a TCP connection (``tcp_ready``, no HTTP) is watched by its
-        process only: llama.cpp's RPC worker serves one client at a time, its leader, with a
-        listen backlog of one, so once the leader is connected probes queue unaccepted and
-        time out, and a healthy worker would be failed. A worker that dies is seen to exit."""
-        address = None if record.health_path is None else self._health_address(record)
+        requests, then failed if it does not recover. A shard with no address to watch
+        (``_watched_address``) is watched for its exit only."""
+        address = self._watched_address(record)
         failing_since: float | None = None
         while True:
             await asyncio.wait([exit_task], timeout=self._health.every_s)

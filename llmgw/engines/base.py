@@ -59,7 +59,7 @@ class Launch:
 
     Readiness is ``health_path`` answering 200 on ``port`` when there is one; else, with
     ``tcp_ready``, ``port`` accepting connections (a worker that speaks no HTTP; once
-    ready it is watched by its process only, see ShardSupervisor._serve); else simply
+    ready it is watched by its process only, see ShardSupervisor._watched_address); else simply
     running. ``wait_for`` are ``host:port`` addresses that must accept connections
     before the engine is started (a leader that dials its workers at start).
     """
