@@ -218,22 +218,22 @@ class Agent:
             disabled_engines=sorted(self.config.disable_engines),
         )
 
-    def ports_busy(self, own: set[int] | None = None) -> list[int]:
+    def ports_busy(self, own: set[int]) -> list[int]:
         """Ports in our range that something other than our shards listens on. ``own``:
-        our shards' ports, read on the event loop before the scan where this runs in a
-        thread; read after it, a shard that stopped during the scan (its port seen
+        our shards' ports, read on the event loop before the scan (which may run in a
+        thread); read after it, a shard that stopped during the scan (its port seen
         listening, no longer ours) would be reported as somebody else's, and the control
         plane would evict another replica to make the room that was already free."""
         # A shard still stopping holds its port, but as ours: the control plane already
         # counts it as taken until the stop is confirmed.
-        own = self.supervisor.own_ports() if own is None else own
         return sorted(host.listening_ports(*self.config.port_range) - own)
 
     def register(self, inventory: wire.Inventory) -> wire.Register:
         return wire.Register(
             node_id=self.node_id, address=self.address, inventory=inventory,
             running=self.supervisor.running(), port_range=tuple(self.config.port_range),
-            ports_busy=self.ports_busy(), agent_version=__version__,
+            ports_busy=self.ports_busy(self.supervisor.own_ports()),
+            agent_version=__version__,
             installable_engines=self.installer.installable(),
         )
 
