@@ -46,6 +46,10 @@ class StoreSettings(_Config):
 class Auth(_Config):
     # Every /v1 request needs an API key. Off is allowed only on a loopback listener.
     require_api_key: bool = True
+    # How long a server trusts what it read of an API key (revoked? limits? owner
+    # disabled?) before reading it again; changes made through another server take this
+    # long to apply here. 0 reads the store on every request.
+    key_cache_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 5.0
     session_ttl_s: PositiveSeconds = 12 * 3600.0
     # argon2id: at most this many hashes at once (each takes argon2_memory_kib).
     hash_slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2

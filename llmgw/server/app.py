@@ -28,6 +28,7 @@ from llmgw.server import admin
 from llmgw.server.admin import join as join_routes
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.agents.stream import agent_stream
+from llmgw.server.auth import KeyCache
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, error_response
@@ -143,6 +144,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
             "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
+            "api_keys": KeyCache(store, auth.key_cache_s),
             # join.RevokedCallback: awaited with (node, serials) after a revocation.
             "on_revoked": [],
         }),

@@ -5,6 +5,7 @@ two servers sharing one PostgreSQL enforce one limit between them."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import httpx
 import pytest
@@ -71,10 +72,11 @@ def shared_postgres():
 
 
 def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, shared_postgres):
-    a = make_cluster(store={"url": shared_postgres})
+    auth = {"key_cache_s": 1.0}
+    a = make_cluster(store={"url": shared_postgres}, auth=auth)
     a.start_server()
     a.add_agent("node-a")
-    b = make_cluster(store={"url": shared_postgres})
+    b = make_cluster(store={"url": shared_postgres}, auth=auth)
     b.start_server()
     b.add_agent("node-b")
     a.wait_ready("sim-small")
@@ -86,3 +88,15 @@ def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, shared_p
 
     codes = sorted(r.status_code for r in answers)
     assert codes == [200] * 5 + [429] * 3, [(r.status_code, r.text[:80]) for r in answers]
+
+    # A key revoked through a: a refuses it at once, b (which read it a moment ago)
+    # within its auth.key_cache_s.
+    key = _key(a)
+    assert _chat(b, key).status_code == 200
+    prefix = next(k["prefix"] for k in a.admin("GET", "/api/keys").json()
+                  if key.startswith(k["prefix"]))
+    assert a.admin("DELETE", f"/api/keys/{prefix}").status_code == 200
+    revoked = time.monotonic()
+    assert _chat(a, key).status_code == 401
+    wait_for(lambda: _chat(b, key).status_code == 401, 10, "b to refuse the revoked key")
+    assert time.monotonic() - revoked < 1.0 + 2.0  # the cache's second, and slack

@@ -239,6 +239,8 @@ async def change_user(request: Request, username: FromPath[str]) -> dict:
         account.id, role=change.role, password_hash=password_hash,
         disabled_at=datetime.now(UTC) if change.disabled else None,
         enable=change.disabled is False)
+    if change.disabled is not None:
+        state.api_keys.forget()  # the account's keys stop (or start) working at once
     if change.disabled or change.password or change.role:
         await state.store.delete_sessions_of(account.id)
     return _account_json(account)

@@ -129,19 +129,22 @@ async def revoke_key(request: Request, prefix: FromPath[str]) -> dict:
     principal = await require(request)
     await _visible_key(request, principal, prefix)
     await request.app.state.store.revoke_api_key(prefix, datetime.now(UTC))
+    request.app.state.api_keys.forget(prefix)
     return {"revoked": prefix}
 
 
 @patch("/api/keys/{prefix:str}")
 async def change_key(request: Request, prefix: FromPath[str]) -> dict:
     """Change a key's limits: ``{"limits": {"rpm": 60, "tpm": null}}`` sets rpm, lifts tpm
-    and keeps the others. Servers apply it from the key's next request on."""
+    and keeps the others. This server applies it from the key's next request on,
+    others sharing the store within ``auth.key_cache_s``."""
     principal = await require(request)
     change = await body(request, KeyChange)
     await _visible_key(request, principal, prefix)
     _admin_for_limits(principal)
     record = await request.app.state.store.update_api_key_limits(prefix,
                                                                  **change.limits.given())
+    request.app.state.api_keys.forget(prefix)
     return _key_json(record, await _owners(request))
 
 

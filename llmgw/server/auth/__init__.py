@@ -5,9 +5,17 @@ from llmgw.server.auth.admin_token import (
     admin_token_ok,
     load_or_create_admin_token,
 )
-from llmgw.server.auth.keys import bearer, check_api_key, create_api_key, hash_key, key_id
+from llmgw.server.auth.keys import (
+    KeyCache,
+    bearer,
+    check_api_key,
+    create_api_key,
+    hash_key,
+    key_id,
+)
 
 __all__ = [
+    "KeyCache",
     "SecretsFileError",
     "admin_token_ok",
     "bearer",

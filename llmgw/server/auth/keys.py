@@ -8,12 +8,17 @@ slow hash), and it is looked up by its id part, which is also how keys are liste
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
 import string
+import time
 import zlib
+from collections.abc import Callable
 from datetime import UTC, datetime
+
+import msgspec
 
 from llmgw.store import ApiKeyRecord, Store
 
@@ -67,23 +72,108 @@ async def create_api_key(store: Store, name: str, allowed_models: list[str] | No
     return key, record
 
 
+_MALFORMED = "the API key is malformed; it should start with llmgw_ and be copied whole"
+_NOT_VALID = "the API key is not valid"
+
+
+class _Known(msgspec.Struct, frozen=True):
+    """A key as the store last showed it, with whether its owner (if any) may use it."""
+
+    record: ApiKeyRecord
+    owner_enabled: bool
+
+    def judge(self, key: str, now: datetime) -> ApiKeyRecord | str:
+        record = self.record
+        if not hmac.compare_digest(record.secret_hash, hash_key(key)):
+            return _NOT_VALID
+        if record.revoked_at is not None:
+            return "the API key has been revoked"
+        if record.expires_at is not None and record.expires_at <= now:
+            return "the API key has expired"
+        if not self.owner_enabled:
+            return "the account that owns this API key is disabled"
+        return record
+
+
+async def _lookup(store: Store, prefix: str) -> _Known | None:
+    record = await store.find_api_key(prefix)
+    if record is None:
+        return None
+    if record.account_id is None:
+        return _Known(record, True)
+    owner = await store.get_account(record.account_id)
+    return _Known(record, owner is not None and owner.disabled_at is None)
+
+
 async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord | str:
-    """The key's record, or why it was refused (in words for the client)."""
+    """The key's record, or why it was refused (in words for the client), read from the
+    store now. The gateway asks a KeyCache instead."""
     prefix = key_id(key)
     if prefix is None:
-        return "the API key is malformed; it should start with llmgw_ and be copied whole"
-    record = await store.find_api_key(prefix)
-    if record is None or not hmac.compare_digest(record.secret_hash, hash_key(key)):
-        return "the API key is not valid"
-    if record.revoked_at is not None:
-        return "the API key has been revoked"
-    if record.expires_at is not None and record.expires_at <= now:
-        return "the API key has expired"
-    if record.account_id is not None:
-        owner = await store.get_account(record.account_id)
-        if owner is None or owner.disabled_at is not None:
-            return "the account that owns this API key is disabled"
-    return record
+        return _MALFORMED
+    known = await _lookup(store, prefix)
+    return _NOT_VALID if known is None else known.judge(key, now)
+
+
+class KeyCache:
+    """What the store said of each API key in use, trusted for ``ttl_s``: a request reads
+    the store only when its key was not read within that time, not on every request (on
+    SQLite that read cost ten times the rest of a proxied request). Requests that find a
+    key missing or stale at once share one read.
+
+    A change made through this server (revoked, limits changed, owner disabled) takes
+    effect at once: the admin routes call ``forget``. One made through another server
+    sharing the store takes effect here within ``ttl_s``. Only keys the store has are
+    kept, so made-up keys cannot fill it; their every request reads the store, as before.
+    """
+
+    def __init__(self, store: Store, ttl_s: float, max_keys: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic):
+        self._store = store
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._max_keys = max_keys
+        # prefix -> (what the store said, clock time until which it is trusted)
+        self._known: dict[str, tuple[_Known, float]] = {}
+        self._reading: dict[str, asyncio.Task[_Known | None]] = {}
+        # Bumped by forget: a read begun before a change must not be kept after it.
+        self._generation = 0
+
+    async def check(self, key: str, now: datetime) -> ApiKeyRecord | str:
+        """The key's record, or why it was refused, as check_api_key."""
+        prefix = key_id(key)
+        if prefix is None:
+            return _MALFORMED
+        cached = self._known.get(prefix)
+        if cached is not None and cached[1] > self._clock():
+            return cached[0].judge(key, now)
+        reading = self._reading.get(prefix)
+        if reading is None:
+            reading = self._reading[prefix] = asyncio.create_task(self._read(prefix))
+        # Shielded: a request that goes away does not cancel the read for the others.
+        known = await asyncio.shield(reading)
+        return _NOT_VALID if known is None else known.judge(key, now)
+
+    async def _read(self, prefix: str) -> _Known | None:
+        generation = self._generation
+        try:
+            known = await _lookup(self._store, prefix)
+        finally:
+            del self._reading[prefix]
+        if known is not None and self._ttl_s > 0 and generation == self._generation:
+            self._known.pop(prefix, None)
+            if len(self._known) >= self._max_keys:
+                del self._known[next(iter(self._known))]  # the one read longest ago
+            self._known[prefix] = (known, self._clock() + self._ttl_s)
+        return known
+
+    def forget(self, prefix: str | None = None) -> None:
+        """Read the key (every key, without ``prefix``) from the store at its next use."""
+        self._generation += 1
+        if prefix is None:
+            self._known.clear()
+        else:
+            self._known.pop(prefix, None)
 
 
 def bearer(authorization: str | None) -> str | None:

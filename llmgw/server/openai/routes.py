@@ -14,7 +14,7 @@ from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.core.routing import affinity_key
-from llmgw.server.auth import bearer, check_api_key
+from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError, error_body
 from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
@@ -94,7 +94,7 @@ async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
     if key is None:
         raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
                        code="missing_api_key")
-    record = await check_api_key(state.store, key, datetime.now(UTC))
+    record = await state.api_keys.check(key, datetime.now(UTC))
     if isinstance(record, str):
         raise ApiError(401, record, code="invalid_api_key")
     return record
@@ -225,11 +225,12 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     _model_or_404(state, head.model, record.allowed_models if record else None)
     usage = None
     if record is not None:
-        refusal = await state.store.admit(record.id, record.limits, datetime.now(UTC))
-        if refusal is not None:
-            state.metrics.refused(head.model, "rate_limit")
-            raise ApiError(429, refusal.message, code=refusal.code,
-                           headers={"retry-after": str(refusal.retry_after_s)})
+        if record.limits.any:
+            refusal = await state.store.admit(record.id, record.limits, datetime.now(UTC))
+            if refusal is not None:
+                state.metrics.refused(head.model, "rate_limit")
+                raise ApiError(429, refusal.message, code=refusal.code,
+                               headers={"retry-after": str(refusal.retry_after_s)})
         usage = functools.partial(state.usage.add, record.id, head.model)
     gateway = state.config.gateway
     key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
