@@ -7,7 +7,8 @@ so drift in the machine's load hits all three alike):
 - floor: through a bare L7 proxy on uvloop and httptools (``bench/fake_engine.py
   proxy``), the least a Python proxy can cost;
 - llmgw: through a real ``llmgw server``, which learnt of the engine from a real
-  ``llmgw agent``, exactly as in a deployment.
+  ``llmgw agent``, exactly as in a deployment; every request carries an API key (one
+  without limits), as in a deployment (``--no-key`` turns keys off).
 
 The engine is a fake (``bench/fake_engine.py engine``: prepared bytes, no JSON read), so
 what a gateway adds is most of what there is to see. The agent launches it through llmgw's
@@ -166,7 +167,7 @@ def llama_files() -> tuple[Path, Path] | None:
 
 
 def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
-                  llama: tuple[Path, Path] | None) -> tuple[Path, Path]:
+                  llama: tuple[Path, Path] | None, keys: bool) -> tuple[Path, Path]:
     """server.yaml, agent.yaml and the agent's llama.cpp "binary"."""
     wrapper = tmp / "llama-server"
     real = f'    *.gguf) exec {llama[0]} "$@" ;;\n' if llama else ""
@@ -187,7 +188,7 @@ def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
             args=["--threads", "1"])]))
     server = cfg.ServerConfig(
         listen=cfg.Listen(host="127.0.0.1", port=port), state_dir=str(tmp / "server"),
-        auth=cfg.Auth(require_api_key=False), models=models, log_level="warning")
+        auth=cfg.Auth(require_api_key=keys), models=models, log_level="warning")
     agent = cfg.AgentConfig(
         servers=[f"http://127.0.0.1:{port}"], node_id="bench", address="127.0.0.1",
         state_dir=str(tmp / "agent"), runtime="process", stop_shards_on_exit=True,
@@ -198,6 +199,16 @@ def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
     server_path.write_text(cfg.dump(server))
     agent_path.write_text(cfg.dump(agent))
     return server_path, agent_path
+
+
+async def api_key(base: str, token: str) -> str:
+    """A new API key without limits, made with the admin token."""
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+                http.post(f"{base}/api/keys", json={"name": "bench"},
+                          headers={"authorization": f"Bearer {token}"}) as resp):
+        if resp.status != 201:
+            raise RuntimeError(f"POST /api/keys answered {resp.status}: {await resp.text()}")
+        return (await resp.json())["key"]
 
 
 async def wait_ready(base: str, token: str, models: list[str], procs: list[subprocess.Popen],
@@ -234,6 +245,8 @@ class Cluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     engine_pids: list[int] = field(default_factory=list)
     urls: dict[str, str] = field(default_factory=dict)
+    # Sent with every request to llmgw: its API key, as every deployment sends one.
+    llmgw_headers: dict[str, str] = field(default_factory=dict)
     llama_url: str | None = None  # the real llama-server, direct
 
     def gateways(self) -> dict[str, list[int]]:
@@ -257,10 +270,10 @@ class Cluster:
 
 
 async def start(cluster: Cluster, events: int, gap_ms: float,
-                llama: tuple[Path, Path] | None) -> list[str]:
+                llama: tuple[Path, Path] | None, keys: bool = True) -> list[str]:
     tmp, notes = cluster.tmp, []
     port, floor_port = free_port(), free_port()
-    server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama)
+    server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama, keys)
     (tmp / "server").mkdir(mode=0o700)
     token, _ = load_or_create_admin_token(tmp / "server")
     python = [sys.executable, "-m", "llmgw"]
@@ -271,6 +284,8 @@ async def start(cluster: Cluster, events: int, gap_ms: float,
     procs = list(cluster.procs.values())
     ports = await wait_ready(base, token, [FAKE_MODEL], procs, 60.0)
     engine = ports[FAKE_MODEL]
+    if keys:
+        cluster.llmgw_headers = {"authorization": f"Bearer {await api_key(base, token)}"}
     cluster.engine_pids = [p for p in process_tree(cluster.procs["agent"].pid)[1:]
                            if str(FAKE_ENGINE) in cmdline(p)]
     cluster.procs["floor"] = spawn(
@@ -317,12 +332,13 @@ def body(model: str, stream: bool, **extra) -> bytes:
                        **extra}).encode()
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, data: bytes, stream: bool
+async def one_request(http: aiohttp.ClientSession, url: str, data: bytes, stream: bool,
+                      headers: dict[str, str] = HEADERS
                       ) -> tuple[int, float, float | None, int]:
     """(status, seconds, seconds to the first event, events) of one request."""
     start = time.perf_counter()
     first, events = None, 0
-    async with http.post(url, data=data, headers=HEADERS) as resp:
+    async with http.post(url, data=data, headers=headers) as resp:
         if stream:
             async for chunk in resp.content.iter_any():
                 if first is None:
@@ -383,7 +399,9 @@ async def measure(cluster: Cluster, args: argparse.Namespace
     gateways = cluster.gateways()
     cells: dict[tuple[bool, int, str], Cell] = {}
     sessions = {t: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=60))
+                                         timeout=aiohttp.ClientTimeout(total=60),
+                                         headers=cluster.llmgw_headers if t == "llmgw"
+                                         else None)
                 for t in TARGETS}
     try:
         for stream in (False, True):
@@ -431,6 +449,7 @@ async def measure_llama(cluster: Cluster, rounds: int, tokens: int
                         ) -> dict[str, Generation]:
     """One streamed generation of ``tokens`` tokens per target per round, in turn."""
     urls = {"direct": cluster.llama_url, "llmgw": cluster.urls["llmgw"]}
+    headers = {"direct": HEADERS, "llmgw": {**HEADERS, **cluster.llmgw_headers}}
     data = body(LLAMA_MODEL, True, max_tokens=tokens, temperature=0, seed=1,
                 ignore_eos=True,
                 messages=[{"role": "user", "content": "Tell a long story about a cat."}])
@@ -440,13 +459,13 @@ async def measure_llama(cluster: Cluster, rounds: int, tokens: int
     # the client would find only by failing on it. Both targets pay the same connect.
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
                                      connector=aiohttp.TCPConnector(force_close=True)) as http:
-        for url in urls.values():  # warm: the prompt is in llama-server's cache for both
-            await one_request(http, url, data, True)
+        for target, url in urls.items():  # warm: the prompt is in llama-server's cache
+            await one_request(http, url, data, True, headers[target])
         for order in rotations(tuple(urls), rounds):
             for target in order:
                 try:
-                    status, took, first, events = await one_request(http, urls[target], data,
-                                                                    True)
+                    status, took, first, events = await one_request(
+                        http, urls[target], data, True, headers[target])
                 except (aiohttp.ClientError, TimeoutError):
                     continue
                 if status == 200 and first is not None:
@@ -574,7 +593,9 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
     try:
         console.print("starting llmgw server, agent, fake engine and floor proxy ...",
                       style="dim")
-        notes += await start(cluster, args.events, args.gap_ms, llama)
+        notes += await start(cluster, args.events, args.gap_ms, llama, not args.no_key)
+        if args.no_key:
+            notes.append("llmgw ran without API keys (--no-key)")
         idle = await idle_cpu(cluster)
         cells = await measure(cluster, args)
         gens = None
@@ -628,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-rounds", type=int, default=None,
                         help="llama-server generations per target (default 10; --quick 4)")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama-server part")
+    parser.add_argument("--no-key", action="store_true",
+                        help="llmgw with auth.require_api_key false and no key sent (by "
+                             "default every request to llmgw carries an API key, as in "
+                             "any deployment)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (configs and logs)")
     args = parser.parse_args(argv)
