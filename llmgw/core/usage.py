@@ -52,7 +52,9 @@ class Limits:
 
     @property
     def any(self) -> bool:
-        return any(getattr(self, name) is not None for name in LIMIT_NAMES)
+        # Spelt out: the gateway asks once per request.
+        return (self.rpm is not None or self.tpm is not None
+                or self.tokens_per_day is not None or self.tokens_per_month is not None)
 
     def as_dict(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in LIMIT_NAMES}

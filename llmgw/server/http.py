@@ -55,12 +55,25 @@ class BodyWriter:
     which keeps uvicorn's account of the response (keep-alive, the next pipelined
     request)."""
 
-    __slots__ = ("_cycle", "_held", "_protocol")
+    __slots__ = ("_cycle", "_held", "_on_gone", "_protocol")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
         self._protocol = protocol
         self._cycle = cycle
         self._held: _Held | None = None
+        self._on_gone: Callable[[], None] | None = None
+
+    @property
+    def disconnected(self) -> bool:
+        """The client's connection was lost before the response was complete."""
+        return self._cycle.disconnected
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (from the event loop) if the client's connection is lost
+        before the response is complete; None takes it back. What ``receive`` would say
+        with ``http.disconnect``, without a task waiting on it. Not called for a loss
+        before this: ask ``disconnected`` first."""
+        self._on_gone = callback
 
     def hold(self) -> None:
         """Keep what ``send`` writes (a response's head, a whole answer's body) until the
@@ -146,6 +159,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _requests = 0
     _last_request = False
     _on_writable: Callable[[], None] | None = None
+    _writer: BodyWriter | None = None  # the latest request's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -155,6 +169,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._stop_head_timer()
         self._on_writable = None
         super().connection_lost(exc)
+        writer = self._writer
+        if writer is not None and writer._on_gone is not None and writer._cycle.disconnected:
+            callback, writer._on_gone = writer._on_gone, None
+            callback()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -193,7 +211,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self._last_request:
             cycle.keep_alive = False
         # Read by the app once its task runs, which is after this callback.
-        cycle.scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(self, cycle)
+        self._writer = BodyWriter(self, cycle)
+        cycle.scope.setdefault("extensions", {})[BODY_WRITER] = self._writer
 
     def shutdown(self) -> None:
         if self._requests == 0 and self.cycle is None:

@@ -424,3 +424,34 @@ async def test_a_held_answer_leaves_whole_in_one_write(connection):
     # Not kept alive: closed after the answer was written, not before.
     assert served.transport.closed is (connection == b"close")
     served.close()
+
+
+async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_done():
+    left: list[str] = []
+    waiting, finish = asyncio.Event(), asyncio.Event()
+    writers = []
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+        writers.append(writer)
+        writer.on_disconnect(lambda: left.append(scope["path"]))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        assert writer.write(b"data: 1\n\n")
+        if scope["path"] == "/leaves":
+            waiting.set()
+            await finish.wait()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    served = _Protocol(app)
+    # An answer that was done: the client leaving after it is nobody's business.
+    await served.request(b"GET /stays HTTP/1.1\r\nhost: x\r\n\r\n")
+    served.protocol.data_received(b"GET /leaves HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(waiting.wait(), 5)
+    assert not writers[1].disconnected
+    served.close()
+    assert left == ["/leaves"]  # called from the connection's loss, once
+    assert writers[1].disconnected and not writers[0].disconnected
+    finish.set()
+    await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)
+    assert left == ["/leaves"]

@@ -112,6 +112,9 @@ async def test_a_disabled_owner_and_a_wrong_secret_are_refused(store):
     body = key_id(key) + "x" * 32
     forged = body + _checksum(body)
     assert await cache.check(forged, NOW) == "the API key is not valid"
+    typo = key[:-1] + ("a" if key[-1] != "a" else "b")
+    assert await cache.check(typo, NOW) == ("the API key is malformed; it should start with "
+                                            "llmgw_ and be copied whole")
 
     await store.update_account(owner.id, disabled_at=NOW)
     cache.forget()

@@ -23,6 +23,7 @@ from llmgw.cli import ctl
 from llmgw.cli.main import parser
 from llmgw.core.usage import Limits
 from llmgw.server.admin import keys as admin_keys
+from llmgw.server.auth import KeyCache
 from llmgw.server.auth.sessions import open_session
 from llmgw.server.errors import ApiError
 from llmgw.store import AccountRecord, Store, open_store, sqlite_url
@@ -43,7 +44,7 @@ async def world(tmp_path) -> AsyncIterator[World]:
     catalog = SimpleNamespace(get=lambda name: object() if name in ("qwen", "llama") else None)
     app = Litestar(
         route_handlers=admin_keys.ROUTES,
-        state=State({"store": store, "admin_token": ADMIN,
+        state=State({"store": store, "admin_token": ADMIN, "api_keys": KeyCache(store, 5.0),
                      "controller": SimpleNamespace(catalog=catalog)}),
         exception_handlers={ApiError: lambda _request, exc: exc.response()},
         openapi_config=None,

@@ -26,6 +26,7 @@ KEY_PREFIX = "llmgw_"
 _ALPHABET = string.digits + string.ascii_letters
 _ID_LEN, _SECRET_LEN, _CRC_LEN = 12, 32, 6
 KEY_LEN = len(KEY_PREFIX) + _ID_LEN + _SECRET_LEN + _CRC_LEN
+_PREFIX_LEN = len(KEY_PREFIX) + _ID_LEN  # what key_id returns
 
 
 def _base62(number: int, width: int) -> str:
@@ -53,7 +54,7 @@ def key_id(key: str) -> str | None:
     body, crc = key[:-_CRC_LEN], key[-_CRC_LEN:]
     if not hmac.compare_digest(_checksum(body), crc):
         return None
-    return key[: len(KEY_PREFIX) + _ID_LEN]
+    return key[:_PREFIX_LEN]
 
 
 def hash_key(key: str) -> str:
@@ -81,14 +82,16 @@ class _Known(msgspec.Struct, frozen=True):
 
     record: ApiKeyRecord
     owner_enabled: bool
+    digest: bytes  # record.secret_hash, as bytes
 
-    def judge(self, key: str, now: datetime) -> ApiKeyRecord | str:
+    def judge(self, key: str, now: datetime | None) -> ApiKeyRecord | str:
+        """``now`` None: the time is read only if the key can expire."""
         record = self.record
-        if not hmac.compare_digest(record.secret_hash, hash_key(key)):
+        if not hmac.compare_digest(self.digest, hashlib.sha256(key.encode()).digest()):
             return _NOT_VALID
         if record.revoked_at is not None:
             return "the API key has been revoked"
-        if record.expires_at is not None and record.expires_at <= now:
+        if record.expires_at is not None and record.expires_at <= (now or datetime.now(UTC)):
             return "the API key has expired"
         if not self.owner_enabled:
             return "the account that owns this API key is disabled"
@@ -99,10 +102,11 @@ async def _lookup(store: Store, prefix: str) -> _Known | None:
     record = await store.find_api_key(prefix)
     if record is None:
         return None
-    if record.account_id is None:
-        return _Known(record, True)
-    owner = await store.get_account(record.account_id)
-    return _Known(record, owner is not None and owner.disabled_at is None)
+    enabled = True
+    if record.account_id is not None:
+        owner = await store.get_account(record.account_id)
+        enabled = owner is not None and owner.disabled_at is None
+    return _Known(record, enabled, bytes.fromhex(record.secret_hash))
 
 
 async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord | str:
@@ -139,14 +143,20 @@ class KeyCache:
         # Bumped by forget: a read begun before a change must not be kept after it.
         self._generation = 0
 
-    async def check(self, key: str, now: datetime) -> ApiKeyRecord | str:
-        """The key's record, or why it was refused, as check_api_key."""
+    async def check(self, key: str, now: datetime | None = None) -> ApiKeyRecord | str:
+        """The key's record, or why it was refused, as check_api_key; ``now`` by default
+        read only if the key can expire."""
+        # A key read lately is known by its id part: its hash, compared below, vouches for
+        # the rest, so the checksum need not be worked out first.
+        cached = self._known.get(key[:_PREFIX_LEN]) if len(key) == KEY_LEN else None
+        if cached is not None and cached[1] > self._clock():
+            verdict = cached[0].judge(key, now)
+            if verdict is _NOT_VALID and key_id(key) is None:
+                return _MALFORMED  # a typo: say so, as for a key not read lately
+            return verdict
         prefix = key_id(key)
         if prefix is None:
             return _MALFORMED
-        cached = self._known.get(prefix)
-        if cached is not None and cached[1] > self._clock():
-            return cached[0].judge(key, now)
         reading = self._reading.get(prefix)
         if reading is None:
             reading = self._reading[prefix] = asyncio.create_task(self._read(prefix))
