@@ -185,6 +185,43 @@ async def test_no_first_byte_in_time_drops_the_connection():
     await pool.close()
 
 
+async def test_each_request_on_a_kept_alive_connection_keeps_its_own_limit():
+    """The requests of one connection share one timer: a short limit after long ones
+    still holds, and a long one after a short one is not cut at the short one's time."""
+    async def answers(reader, writer, n):
+        if n == 3:
+            await reader.read()  # silent until the client goes
+            return False
+        if n == 5:
+            await asyncio.sleep(0.5)
+        writer.write(OK)
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answers) as engine:
+        loop = asyncio.get_running_loop()
+        for _ in range(2):
+            answer = await _post(pool, engine.port, first_byte_s=30)
+            assert await answer.read() == b'{"ok":true}'
+            answer.close()
+        began = loop.time()
+        with pytest.raises(UpstreamTimeout):
+            await _post(pool, engine.port, first_byte_s=0.2)
+        assert 0.15 <= loop.time() - began < 2
+        assert engine.connections == 1
+
+        answer = await _post(pool, engine.port, first_byte_s=0.2)  # a new connection
+        assert await answer.read() == b'{"ok":true}'
+        answer.close()
+        began = loop.time()
+        answer = await _post(pool, engine.port, first_byte_s=5)  # answered after 0.5 s
+        assert await answer.read() == b'{"ok":true}'
+        assert loop.time() - began >= 0.45
+        answer.close()
+        assert engine.connections == 2
+    await pool.close()
+
+
 async def test_a_stream_idle_too_long_times_out_between_chunks():
     async def stall(reader, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\none\r\n")

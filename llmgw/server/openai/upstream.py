@@ -29,6 +29,9 @@ KEPT_HEADERS = frozenset({b"content-type", b"cache-control"})
 _HIGH_WATER = 256 * 1024
 # Idle keep-alive connections kept per engine address.
 _MAX_IDLE = 64
+# A connection's alarm rings this early rather than be set again for less: the loop's
+# timers count in milliseconds.
+_ALARM_SLACK_S = 0.001
 
 
 @functools.lru_cache(maxsize=1024)
@@ -156,9 +159,8 @@ class Answer:
     ``pipe()`` (handed on from the connection's callback). ``close()`` ends it early,
     dropping the connection so the engine learns nobody listens."""
 
-    __slots__ = ("_chunks", "_conn", "_deadline", "_done", "_error", "_first_byte_s",
-                 "_idle_s", "_last", "_queued", "_sink", "_timer", "_waiter", "headers",
-                 "status")
+    __slots__ = ("_armed", "_chunks", "_conn", "_done", "_error", "_first_byte_s",
+                 "_idle_s", "_last", "_queued", "_sink", "_waiter", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -173,8 +175,7 @@ class Answer:
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
+        self._armed = False  # a limit runs (the connection's alarm is ours)
         self._last = 0.0
 
     # --- read side ------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class Answer:
         if not self._chunks and not self._done and self._error is None:
             if self._idle_s is not None:
                 self._last = time.monotonic()
-                if self._timer is None:
+                if not self._armed:
                     self._arm(self._idle_s)
             await self._wait()
         if self._chunks:
@@ -276,30 +277,28 @@ class Answer:
     # --- timers ---------------------------------------------------------------------------
 
     def _arm(self, seconds: float) -> None:
-        loop = self._conn.loop
-        self._deadline = loop.time() + seconds
-        self._timer = loop.call_at(self._deadline, self._expired)
+        self._armed = True
+        self._conn.alarm(self._conn.loop.time() + seconds, self._expired)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._armed:
+            self._armed = False
+            if self._conn.answer is self:
+                self._conn.alarm(0.0, None)
 
     def _expired(self) -> None:
-        self._timer = None
+        self._armed = False
         if self._done or self._error is not None:
             return
         if self.status and self._idle_s is not None:
-            loop = self._conn.loop
             if self._chunks or self._conn.paused:
                 # Data waits for our reader (a slow client): the engine is not idle.
-                self._timer = loop.call_at(loop.time() + self._idle_s, self._expired)
+                self._arm(self._idle_s)
                 return
             idle_for = time.monotonic() - self._last
             if idle_for < self._idle_s:
-                # Data came since the timer was set: wait out the rest of the idle period.
-                self._timer = loop.call_at(loop.time() + self._idle_s - idle_for,
-                                           self._expired)
+                # Data came since the limit was set: wait out the rest of the idle period.
+                self._arm(self._idle_s - idle_for)
                 return
         self._fail(UpstreamTimeout("idle" if self.status else "first_byte",
                                    answered=bool(self.status)))
@@ -345,6 +344,11 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: Pool, address: tuple[str, int]):
         self.pool = pool
+        # The alarm: one timer kept across the connection's requests (see ``alarm``).
+        self._alarm: Callable[[], None] | None = None
+        self._alarm_at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.answer: Answer | None = None
@@ -380,8 +384,37 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self._lost = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
+
+    def alarm(self, when: float, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` at loop time ``when``; ``None`` calls nothing. One timer serves
+        every request of the connection: a timer set for an earlier time is kept, and when
+        it fires is set again for the time asked last. Most requests end within their
+        limit, so most set no timer of their own (uvloop makes and closes one per
+        ``call_at``: microseconds on every request, in a hot path of a hundred or so)."""
+        self._alarm, self._alarm_at = callback, when
+        if callback is not None and (self._timer is None or self._timer_at > when):
+            self._stop_timer()
+            self._timer, self._timer_at = self.loop.call_at(when, self._ring), when
+
+    def _ring(self) -> None:
+        self._timer = None
+        callback = self._alarm
+        if callback is None:
+            return
+        if self._alarm_at - self.loop.time() > _ALARM_SLACK_S:
+            self._timer, self._timer_at = self.loop.call_at(self._alarm_at, self._ring), \
+                self._alarm_at
+            return
+        self._alarm = None
+        callback()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -413,6 +446,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._stop_timer()
         self.pool._forget(self)
         answer = self.answer
         if answer is None:
