@@ -146,9 +146,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     Each request is offered a BodyWriter (above).
 
-    It overrides parser callbacks and five methods of uvicorn 0.54's protocol (pinned in
+    It overrides parser callbacks and seven methods of uvicorn 0.54's protocol (pinned in
     pyproject.toml): ``data_received``, ``send_400_response``, which it calls on a parser
-    error, ``shutdown``, ``resume_writing`` and the connection callbacks; BodyWriter reads
+    error, ``shutdown``, ``resume_writing``, the connection callbacks, and (to time the
+    keep-alive limit with one timer per connection) ``on_response_complete`` and
+    ``_unset_keepalive_if_required``; BodyWriter reads
     its request cycle's response state and writes as its ``send`` does.
     tests/integration/test_http_server.py fails if an upgrade changes them."""
 
@@ -160,6 +162,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _last_request = False
     _on_writable: Callable[[], None] | None = None
     _writer: BodyWriter | None = None  # the latest request's
+    # Kept-alive and waiting for a request since this loop time; None while one is served.
+    _idle_since: float | None = None
+    _keep_alive_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -167,6 +172,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self._keep_alive_timer is not None:
+            self._keep_alive_timer.cancel()
+            self._keep_alive_timer = None
         self._on_writable = None
         super().connection_lost(exc)
         writer = self._writer
@@ -213,6 +221,39 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # Read by the app once its task runs, which is after this callback.
         self._writer = BodyWriter(self, cycle)
         cycle.scope.setdefault("extensions", {})[BODY_WRITER] = self._writer
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, but for how the keep-alive limit is timed. uvicorn makes a timer after
+        # every response and cancels it at the next request's first bytes: a few µs per
+        # request. Here one timer is kept per connection: when it fires on a connection
+        # that was busy since, it is set again for the rest of the limit, or left to the
+        # next response if one is being served.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self._keep_alive_timer is None:
+            self._keep_alive_timer = self.loop.call_later(self.timeout_keep_alive,
+                                                          self._keep_alive_due)
+
+    def _unset_keepalive_if_required(self) -> None:
+        # Called by uvicorn for every packet received, and on a clean close.
+        self._idle_since = None
+
+    def _keep_alive_due(self) -> None:
+        self._keep_alive_timer = None
+        if self._idle_since is None:
+            return  # serving: its response sets the timer again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0.001:
+            self._keep_alive_timer = self.loop.call_later(left, self._keep_alive_due)
+        else:
+            self.timeout_keep_alive_handler()
 
     def shutdown(self) -> None:
         if self._requests == 0 and self.cycle is None:

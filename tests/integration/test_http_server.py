@@ -455,3 +455,23 @@ async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_do
     finish.set()
     await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)
     assert left == ["/leaves"]
+
+
+async def test_a_kept_alive_connection_is_closed_after_the_keep_alive_limit_of_silence():
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    served = _Protocol(app)
+    served.protocol.timeout_keep_alive = 0.3
+    loop = asyncio.get_running_loop()
+    await served.request(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.sleep(0.2)
+    # A second request within the limit: the limit counts from its answer, though the
+    # connection's timer was set by the first.
+    writes = await served.request(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    answered = loop.time()
+    assert writes and not served.transport.closed
+    await _until(lambda: served.transport.closed, "the idle connection to be closed")
+    assert 0.25 <= loop.time() - answered < 1.5
