@@ -75,6 +75,12 @@ class BodyWriter:
         before this: ask ``disconnected`` first."""
         self._on_gone = callback
 
+    def _connection_lost(self) -> None:
+        callback = self._on_gone
+        if callback is not None and self._cycle.disconnected:
+            self._on_gone = None
+            callback()
+
     def hold(self) -> None:
         """Keep what ``send`` writes (a response's head, a whole answer's body) until the
         next ``write`` or ``release``, so that it leaves in one packet: the client is
@@ -177,10 +183,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._keep_alive_timer = None
         self._on_writable = None
         super().connection_lost(exc)
-        writer = self._writer
-        if writer is not None and writer._on_gone is not None and writer._cycle.disconnected:
-            callback, writer._on_gone = writer._on_gone, None
-            callback()
+        if self._writer is not None:
+            self._writer._connection_lost()
 
     def resume_writing(self) -> None:
         super().resume_writing()
