@@ -156,6 +156,7 @@ class SimServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/rerank", self.rerank)
+        app.router.add_post("/v1/audio/transcriptions", self.transcriptions)
         return app
 
     @web.middleware
@@ -330,6 +331,25 @@ class SimServer:
         words = len(body.query.split()) + sum(len(d.split()) for d in body.documents)
         return web.json_response({"model": self.model, "results": results[:body.top_n],
                                   "usage": {"prompt_tokens": words, "total_tokens": words}})
+
+
+    async def transcriptions(self, request: web.Request) -> web.Response:
+        """OpenAI's multipart upload; the "transcript" says what came, so a test can tell
+        the file arrived whole."""
+        form = await request.post()
+        model = form.get("model")
+        if not model:
+            raise ApiError(400, "you must provide a model parameter", param="model")
+        if model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist; this engine serves "
+                           f"`{self.model}`", param="model", code="model_not_found")
+        upload = form.get("file")
+        if not isinstance(upload, web.FileField):
+            raise ApiError(400, "you must provide a file", param="file")
+        data = upload.file.read()
+        digest = hashlib.sha256(data).hexdigest()[:12]
+        return web.json_response(
+            {"text": f"{len(data)} bytes of {upload.filename}, sha256 {digest}"})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

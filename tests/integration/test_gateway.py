@@ -4,6 +4,7 @@ client where it has a call for it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -62,6 +63,30 @@ def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
     with pytest.raises(openai.BadRequestError) as no_model:
         client.post("/rerank", cast_to=object, body={"query": "q", "documents": ["d"]})
     assert no_model.value.body["param"] == "model"
+
+
+def test_an_audio_upload_goes_to_the_model_its_form_names(cluster):
+    client = _client(cluster)
+    audio = b"RIFF" + bytes(range(256)) * 400
+    heard = client.audio.transcriptions.create(model="sim-slow",
+                                               file=("hello.wav", audio, "audio/wav"))
+    # The engine got the file whole: its size and hash came back.
+    assert heard.text == (f"{len(audio)} bytes of hello.wav, sha256 "
+                          f"{hashlib.sha256(audio).hexdigest()[:12]}")
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.audio.transcriptions.create(model="sim-slo", file=("a.wav", b"x", "audio/wav"))
+    assert "did you mean sim-slow" in missing.value.message
+    url = f"{cluster.base_url}/v1/audio/transcriptions"
+    auth = {"authorization": f"Bearer {cluster.api_key}"}
+    no_model = httpx.post(url, headers=auth, files={"file": ("a.wav", b"x")})
+    assert no_model.status_code == 400, no_model.text
+    assert no_model.json()["error"]["param"] == "model"
+    broken = httpx.post(url, content=b"--xyz\r\nno end", headers={
+        **auth, "content-type": "multipart/form-data; boundary=xyz"})
+    assert broken.status_code == 400, broken.text
+    assert broken.json()["error"]["code"] == "invalid_body"
+    assert "not valid" in broken.json()["error"]["message"]
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine_within_a_second(cluster):

@@ -70,7 +70,8 @@ _ACCEPT_STREAM = b"text/event-stream"
 
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
                   gateway: Gateway, send: Send, progress: Progress,
-                  usage: UsageSink | None = None, writer: BodyWriter | None = None) -> None:
+                  usage: UsageSink | None = None, writer: BodyWriter | None = None,
+                  content_type: bytes = _JSON) -> None:
     """Forward one request on ``lease`` and write the answer with ``send``; where the
     server offers a ``writer``, a stream's chunks go through it, and a response's head
     leaves in one write with the first bytes that came with it. Raises ``Retryable`` or
@@ -83,7 +84,7 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
             upstream = await pool.post(
                 endpoint.host, endpoint.port, path, body, _ACCEPT_STREAM if stream else _JSON,
                 first_byte_timeout_s=gateway.first_byte_timeout_s,
-                idle_timeout_s=gateway.idle_timeout_s)
+                idle_timeout_s=gateway.idle_timeout_s, content_type=content_type)
         except ConnectError as err:
             # Nothing was sent: another replica may take it.
             raise Retryable(f"{lease.replica}: {err}") from None

@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime
 
 import msgspec
+import multipart
 from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
@@ -24,6 +25,7 @@ from llmgw.store import ApiKeyRecord
 
 log = logging.getLogger(__name__)
 
+_JSON = b"application/json"
 # The largest request body taken: prompts with images run to megabytes, not more.
 MAX_BODY = 32 * 2**20
 
@@ -80,15 +82,50 @@ def _parse(body: bytes, required: str | None) -> _Head:
     return head
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    value = dict(scope["headers"]).get(name)  # built in C: quicker than a loop in Python
-    return None if value is None else value.decode("latin-1")
+# What routing reads of a multipart/form-data body (an audio upload, say): the same
+# fields as of a JSON one, each a plain form field.
+_FORM_FIELDS = frozenset({"model", "stream", "user"})
+_FORM = b"multipart/form-data"
 
 
-async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
+def _parse_form(body: bytes, content_type: bytes) -> _Head:
+    """``model``, ``stream`` and ``user`` of a multipart/form-data body; the files in it
+    are only scanned past (the engine reads them)."""
+    _, options = multipart.parse_options_header(content_type.decode("latin-1"))
+    if not options.get("boundary"):
+        raise ApiError(400, "the multipart/form-data body has no boundary in its "
+                       "Content-Type", code="invalid_body")
+    fields: dict[str, bytes] = {}
+    try:
+        with multipart.PushMultipartParser(options["boundary"], len(body)) as parser:
+            name = None
+            for event in parser.parse(body):
+                if isinstance(event, multipart.MultipartSegment):
+                    name = event.name if (event.filename is None
+                                          and event.name in _FORM_FIELDS) else None
+                    if name is not None:
+                        fields[name] = b""
+                elif event is None:
+                    name = None
+                elif name is not None:
+                    fields[name] += event
+    except multipart.MultipartError as err:
+        raise ApiError(400, f"the multipart/form-data body is not valid: {err}",
+                       code="invalid_body") from None
+    model = fields.get("model", b"").decode("utf-8", "replace").strip()
+    if not model:
+        raise ApiError(400, "the form has no `model` field; name one of GET /v1/models",
+                       param="model", code="missing_field")
+    return _Head(model=model, stream=fields.get("stream", b"").strip().lower() == b"true",
+                 user=msgspec.Raw(fields.get("user", b"")))
+
+
+async def _authorize(state, authorization: bytes | str | None) -> ApiKeyRecord | None:
     """Check the API key; its record (``None`` where no key is required)."""
     if not state.config.auth.require_api_key:
         return None
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
     key = bearer(authorization)
     if key is None:
         raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
@@ -217,9 +254,14 @@ class _Seen:
 
 async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
                  required: str | None, seen: _Seen) -> None:
-    record = await _authorize(state, _header(scope, b"authorization"))
+    headers = dict(scope["headers"])  # built in C: quicker than a loop in Python
+    record = await _authorize(state, headers.get(b"authorization"))
     body = await _body(receive)
-    head = _parse(body, required)
+    content_type = headers.get(b"content-type", b"")
+    if required is None and content_type[:len(_FORM)].lower() == _FORM:
+        head = _parse_form(body, content_type)
+    else:
+        head, content_type = _parse(body, required), _JSON
     seen.model, seen.stream = head.model, head.stream
     _model_or_404(state, head.model, record.allowed_models if record else None)
     usage = None
@@ -271,7 +313,7 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     else:
         timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
-        await _route(state, head, key, path, body, send, usage, seen, writer)
+        await _route(state, head, key, path, body, send, usage, seen, writer, content_type)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -292,8 +334,8 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
-                 send: Send, usage, progress: Progress, writer: BodyWriter | None = None
-                 ) -> None:
+                 send: Send, usage, progress: Progress, writer: BodyWriter | None = None,
+                 content_type: bytes = _JSON) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):
@@ -307,7 +349,8 @@ async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
             break
         try:
             return await forward(state.upstream, lease, path, body, head.stream,
-                                 state.config.gateway, send, progress, usage, writer)
+                                 state.config.gateway, send, progress, usage, writer,
+                                 content_type)
         except Retryable as err:
             state.metrics.retry(head.model)
             refusals.append(str(err))

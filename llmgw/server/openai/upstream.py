@@ -77,13 +77,14 @@ class Pool:
         self._closed = False
 
     async def post(self, host: str, port: int, path: str, body: bytes, accept: bytes,
-                   *, first_byte_timeout_s: float, idle_timeout_s: float | None) -> Answer:
+                   *, first_byte_timeout_s: float, idle_timeout_s: float | None,
+                   content_type: bytes = b"application/json") -> Answer:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, each read
         under ``idle_timeout_s`` when given."""
         head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
                          _host_header(host, port),
-                         b"\r\ncontent-type: application/json\r\naccept: ", accept,
+                         b"\r\ncontent-type: ", content_type, b"\r\naccept: ", accept,
                          b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n"))
         payload = head + body
         for attempt in range(2):
