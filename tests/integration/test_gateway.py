@@ -60,6 +60,12 @@ def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
         client.post("/rerank", cast_to=object, body={"model": "sim-slo", "query": "q",
                                                      "documents": ["d"]})
     assert "did you mean sim-slow" in missing.value.message
+    # A name the size of a body is refused without a search for close names (which
+    # would hold the event loop for seconds) and without being echoed whole.
+    with pytest.raises(openai.NotFoundError) as huge:
+        client.post("/rerank", cast_to=object, body={"model": "x" * 4_000_000, "query": "q",
+                                                     "documents": ["d"]})
+    assert "does not exist" in huge.value.message and len(huge.value.message) < 1000
     with pytest.raises(openai.BadRequestError) as no_model:
         client.post("/rerank", cast_to=object, body={"query": "q", "documents": ["d"]})
     assert no_model.value.body["param"] == "model"

@@ -26,6 +26,8 @@ from llmgw.store import ApiKeyRecord
 log = logging.getLogger(__name__)
 
 _JSON = b"application/json"
+# Longer than any model's name: one that long is not looked for among close names.
+_LONGEST_NAME = 256
 # The largest request body taken: prompts with images run to megabytes, not more.
 MAX_BODY = 32 * 2**20
 
@@ -144,7 +146,12 @@ def _model_or_404(state, name: str, allowed: list[str] | None) -> None:
     if catalog.get(name) is not None:
         raise ApiError(403, f"this API key may not use model {name!r}", param="model",
                        code="model_not_allowed")
-    close = difflib.get_close_matches(name, visible, n=3, cutoff=0.5)
+    if len(name) > _LONGEST_NAME:
+        # No model is called that: no close names (difflib indexes every character of
+        # it, seconds of the event loop for a body's worth), and not echoed whole.
+        close, name = [], name[:_LONGEST_NAME] + "…"
+    else:
+        close = difflib.get_close_matches(name, visible, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else (
         f"; available: {', '.join(visible)}" if visible else "; no models are declared")
     raise ApiError(404, f"the model {name!r} does not exist{hint}", param="model",
