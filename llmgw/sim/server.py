@@ -332,7 +332,6 @@ class SimServer:
         return web.json_response({"model": self.model, "results": results[:body.top_n],
                                   "usage": {"prompt_tokens": words, "total_tokens": words}})
 
-
     async def transcriptions(self, request: web.Request) -> web.Response:
         """OpenAI's multipart upload; the "transcript" says what came, so a test can tell
         the file arrived whole."""

@@ -193,7 +193,7 @@ async def test_each_request_on_a_kept_alive_connection_keeps_its_own_limit():
             await reader.read()  # silent until the client goes
             return False
         if n == 5:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(1.2)
         writer.write(OK)
         await writer.drain()
 
@@ -210,13 +210,13 @@ async def test_each_request_on_a_kept_alive_connection_keeps_its_own_limit():
         assert 0.15 <= loop.time() - began < 2
         assert engine.connections == 1
 
-        answer = await _post(pool, engine.port, first_byte_s=0.2)  # a new connection
+        answer = await _post(pool, engine.port, first_byte_s=0.6)  # a new connection
         assert await answer.read() == b'{"ok":true}'
         answer.close()
         began = loop.time()
-        answer = await _post(pool, engine.port, first_byte_s=5)  # answered after 0.5 s
+        answer = await _post(pool, engine.port, first_byte_s=5)  # answered after 1.2 s
         assert await answer.read() == b'{"ok":true}'
-        assert loop.time() - began >= 0.45
+        assert loop.time() - began >= 1.1  # past the 0.6 s limit before it
         answer.close()
         assert engine.connections == 2
     await pool.close()

@@ -57,8 +57,13 @@ def key_id(key: str) -> str | None:
     return key[:_PREFIX_LEN]
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    """What the store keeps of a key."""
+    return _digest(key).hex()
 
 
 async def create_api_key(store: Store, name: str, allowed_models: list[str] | None = None,
@@ -82,12 +87,12 @@ class _Known(msgspec.Struct, frozen=True):
 
     record: ApiKeyRecord
     owner_enabled: bool
-    digest: bytes  # record.secret_hash, as bytes
+    digest: bytes  # record.secret_hash, as _digest gives it
 
     def judge(self, key: str, now: datetime | None) -> ApiKeyRecord | str:
         """``now`` None: the time is read only if the key can expire."""
         record = self.record
-        if not hmac.compare_digest(self.digest, hashlib.sha256(key.encode()).digest()):
+        if not hmac.compare_digest(self.digest, _digest(key)):
             return _NOT_VALID
         if record.revoked_at is not None:
             return "the API key has been revoked"

@@ -23,6 +23,7 @@ from llmgw.server.errors import ApiError
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import (
+    JSON_TYPE,
     Answer,
     ConnectError,
     Pool,
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 Send = Callable[[dict], Awaitable[None]]
 
-_JSON = b"application/json"
 
 
 def stream_error(message: str, code: str) -> bytes:
@@ -71,7 +71,7 @@ _ACCEPT_STREAM = b"text/event-stream"
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
                   gateway: Gateway, send: Send, progress: Progress,
                   usage: UsageSink | None = None, writer: BodyWriter | None = None,
-                  content_type: bytes = _JSON) -> None:
+                  content_type: bytes = JSON_TYPE) -> None:
     """Forward one request on ``lease`` and write the answer with ``send``; where the
     server offers a ``writer``, a stream's chunks go through it, and a response's head
     leaves in one write with the first bytes that came with it. Raises ``Retryable`` or
@@ -82,7 +82,7 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
     try:
         try:
             upstream = await pool.post(
-                endpoint.host, endpoint.port, path, body, _ACCEPT_STREAM if stream else _JSON,
+                endpoint.host, endpoint.port, path, body, _ACCEPT_STREAM if stream else JSON_TYPE,
                 first_byte_timeout_s=gateway.first_byte_timeout_s,
                 idle_timeout_s=gateway.idle_timeout_s, content_type=content_type)
         except ConnectError as err:
@@ -117,7 +117,7 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
     for name, value in headers:
         if name == b"content-type":
             return value
-    return _JSON
+    return JSON_TYPE
 
 
 async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
@@ -134,7 +134,7 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                        code="upstream_error") from None
     headers = upstream.headers
     if not any(k == b"content-type" for k, _ in headers):
-        headers = [*headers, (b"content-type", _JSON)]
+        headers = [*headers, (b"content-type", JSON_TYPE)]
     progress.started(upstream.status)
     if writer is not None:
         writer.hold()  # head and body in one write

@@ -21,11 +21,11 @@ from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.proxy import Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
+from llmgw.server.openai.upstream import JSON_TYPE
 from llmgw.store import ApiKeyRecord
 
 log = logging.getLogger(__name__)
 
-_JSON = b"application/json"
 # Longer than any model's name: one that long is not looked for among close names.
 _LONGEST_NAME = 256
 # The largest request body taken: prompts with images run to megabytes, not more.
@@ -122,12 +122,10 @@ def _parse_form(body: bytes, content_type: bytes) -> _Head:
                  user=msgspec.Raw(fields.get("user", b"")))
 
 
-async def _authorize(state, authorization: bytes | str | None) -> ApiKeyRecord | None:
+async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
     """Check the API key; its record (``None`` where no key is required)."""
     if not state.config.auth.require_api_key:
         return None
-    if isinstance(authorization, bytes):
-        authorization = authorization.decode("latin-1")
     key = bearer(authorization)
     if key is None:
         raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
@@ -262,13 +260,14 @@ class _Seen:
 async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
                  required: str | None, seen: _Seen) -> None:
     headers = dict(scope["headers"])  # built in C: quicker than a loop in Python
-    record = await _authorize(state, headers.get(b"authorization"))
+    authorization = headers.get(b"authorization")
+    record = await _authorize(state, authorization and authorization.decode("latin-1"))
     body = await _body(receive)
     content_type = headers.get(b"content-type", b"")
     if required is None and content_type[:len(_FORM)].lower() == _FORM:
         head = _parse_form(body, content_type)
     else:
-        head, content_type = _parse(body, required), _JSON
+        head, content_type = _parse(body, required), JSON_TYPE
     seen.model, seen.stream = head.model, head.stream
     _model_or_404(state, head.model, record.allowed_models if record else None)
     usage = None
@@ -342,7 +341,7 @@ async def _until_disconnect(receive: Receive) -> None:
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
                  send: Send, usage, progress: Progress, writer: BodyWriter | None = None,
-                 content_type: bytes = _JSON) -> None:
+                 content_type: bytes = JSON_TYPE) -> None:
     tried: set[str] = set()
     refusals = []
     for _ in range(_MAX_ATTEMPTS):

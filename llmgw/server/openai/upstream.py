@@ -27,6 +27,8 @@ import httptools
 KEPT_HEADERS = frozenset({b"content-type", b"cache-control"})
 # Above this much unread answer, reading from the engine pauses until the client catches up.
 _HIGH_WATER = 256 * 1024
+# What a request body is unless told otherwise, and what an answer without a type is.
+JSON_TYPE = b"application/json"
 # Idle keep-alive connections kept per engine address.
 _MAX_IDLE = 64
 # A connection's alarm rings this early rather than be set again for less: the loop's
@@ -78,7 +80,7 @@ class Pool:
 
     async def post(self, host: str, port: int, path: str, body: bytes, accept: bytes,
                    *, first_byte_timeout_s: float, idle_timeout_s: float | None,
-                   content_type: bytes = b"application/json") -> Answer:
+                   content_type: bytes = JSON_TYPE) -> Answer:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, each read
         under ``idle_timeout_s`` when given."""
