@@ -9,6 +9,7 @@ written through the BodyWriter to a client slower than the app.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import ssl
@@ -18,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import uvicorn.server
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llmgw import pki
 from llmgw.config import Listen
@@ -455,6 +457,38 @@ async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_do
     finish.set()
     await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)
     assert left == ["/leaves"]
+
+
+async def test_a_served_request_leaves_no_reference_cycle_behind():
+    """A request's cycle, scope and BodyWriter are freed by their reference counts once it
+    is done. Left in a reference cycle, they wait for the cyclic collector, which then ran
+    for 5-7 ms every 1,300 or so requests of the gateway, every request in flight held up."""
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+        writer.hold()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        assert writer.write(b"data: 1\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def alive() -> int:
+        return sum(isinstance(o, (http_server.BodyWriter, RequestResponseCycle))
+                   for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    gc.disable()  # cyclic garbage stays where alive() sees it
+    try:
+        served = _Protocol(app)
+        for _ in range(3):
+            writes = await served.request(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert b"data: 1" in b"".join(writes)
+        served.close()
+        del served
+        assert alive() == before
+    finally:
+        gc.enable()
 
 
 async def test_a_kept_alive_connection_is_closed_after_the_keep_alive_limit_of_silence():
