@@ -56,7 +56,7 @@ class BodyWriter:
     which keeps uvicorn's account of the response (keep-alive, the next pipelined
     request)."""
 
-    __slots__ = ("_cycle", "_held", "_on_gone", "_protocol")
+    __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_transport")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
         self._protocol: BoundedHeadProtocol | None = protocol  # None once the client left
@@ -65,6 +65,9 @@ class BodyWriter:
         # then ran every 1,300 or so requests for 5-7 ms, every request in flight waiting.
         # The cycle lives as long as its request's task, which is as long as anyone writes.
         self._cycle = weakref.ref(cycle)
+        # The connection's own, for ``write`` (``cycle.transport`` is ours while held).
+        self._transport = cycle.transport
+        self._flow = cycle.flow
         self._held: _Held | None = None
         self._on_gone: Callable[[], None] | None = None
 
@@ -115,15 +118,15 @@ class BodyWriter:
         cycle = self._cycle()
         if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
             raise RuntimeError("BodyWriter.write outside a started chunked response")
-        held = self._held
-        if held is not None:
-            held.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-            self.release()
-        elif cycle.disconnected:
+        if cycle.disconnected:
             return False
+        if self._held is None:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         else:
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        return not (cycle.flow.write_paused or cycle.disconnected)
+            self._held.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self.release()
+        # (A write never loses the connection there and then: uvloop reports it later.)
+        return not self._flow.write_paused
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """After ``write`` said False: call ``callback`` once, when the client's connection

@@ -20,6 +20,7 @@ import collections
 import functools
 import time
 from collections.abc import Callable
+from time import monotonic as _monotonic
 
 import httptools
 
@@ -324,13 +325,8 @@ class Answer:
         self.headers = headers
         self._wake()
 
-    def _body(self, data: bytes) -> None:
-        self._last = time.monotonic()
-        sink = self._sink
-        if sink is not None:
-            if not sink(data):
-                self._conn.pause()
-            return
+    def _queue(self, data: bytes) -> None:
+        """Body data with no ``pipe`` sink yet: kept for ``chunk``/``read``/``pipe``."""
         self._chunks.append(data)
         self._queued += len(data)
         if self._queued > _HIGH_WATER:
@@ -480,7 +476,15 @@ class _Connection(asyncio.Protocol):
         self.answer._head(parser.get_status_code(), self._headers)
 
     def on_body(self, body: bytes) -> None:
-        self.answer._body(body)
+        # Answer._body, inlined: this runs for every chunk of every stream.
+        answer = self.answer
+        answer._last = _monotonic()
+        sink = answer._sink
+        if sink is not None:
+            if not sink(body):
+                self.pause()
+            return
+        answer._queue(body)
 
     def on_message_complete(self) -> None:
         self.answer._complete()
