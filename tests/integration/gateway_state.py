@@ -26,3 +26,12 @@ def gateway_state(model: str, router: Router, pool) -> SimpleNamespace:
                            config=SimpleNamespace(gateway=Gateway(),
                                                   auth=SimpleNamespace(require_api_key=False)),
                            metrics=Metrics(controller, router, process=False))
+
+
+async def lifespan_only(scope, receive, send) -> None:
+    """The app behind ``routes.gateway_first`` for tests that send it only /v1 POSTs."""
+    assert scope["type"] == "lifespan", "only /v1 POSTs are sent here"
+    while (message := await receive())["type"] != "lifespan.shutdown":
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})

@@ -21,7 +21,7 @@ from llmgw.server.listen import listening_socket
 from llmgw.server.openai import routes, upstream
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
-from tests.integration.gateway_state import gateway_state
+from tests.integration.gateway_state import gateway_state, lifespan_only
 
 MODEL = "slow-reader-model"
 EVENTS = 32768
@@ -61,14 +61,6 @@ class _Engine:
             writer.close()
 
 
-async def _lifespan_only(scope, receive, send) -> None:
-    assert scope["type"] == "lifespan", "only /v1 POSTs are sent here"
-    while (message := await receive())["type"] != "lifespan.shutdown":
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-    await send({"type": "lifespan.shutdown.complete"})
-
-
 def _events(body: bytes) -> list[bytes]:
     """The data lines of a chunked SSE body, in order."""
     data = bytearray()
@@ -101,7 +93,7 @@ async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_
     pool = upstream_pool(Gateway())
     sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
     port = sock.getsockname()[1]
-    app = routes.gateway_first(_lifespan_only, gateway_state(MODEL, router, pool))
+    app = routes.gateway_first(lifespan_only, gateway_state(MODEL, router, pool))
     server = make_server(app, sock)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     client = socket.socket()

@@ -476,7 +476,7 @@ class _Connection(asyncio.Protocol):
         self.answer._head(parser.get_status_code(), self._headers)
 
     def on_body(self, body: bytes) -> None:
-        # Answer._body, inlined: this runs for every chunk of every stream.
+        # To the pipe sink with no call between: this runs for every chunk of every stream.
         answer = self.answer
         answer._last = _monotonic()
         sink = answer._sink

@@ -1,0 +1,120 @@
+"""A proxied request leaves nothing for the cyclic garbage collector.
+
+Whatever a request makes (the server's cycle and BodyWriter, the engine's Answer, the
+router's Lease, the closures that watch for the client leaving) must be freed by reference
+counting the moment it is done. Objects caught in a reference cycle wait for a collection
+instead, and a collection of a few thousand requests' worth held the event loop for 5-7 ms,
+every request in flight waiting (the gateway's p99 at concurrency 16 went from 2.9 to
+5.7-7.5 ms). Served here in process, on loopback, with the collector switched off while
+requests run, so that anything left in a cycle is still there to be counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import random
+
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from llmgw.config import Gateway, Listen
+from llmgw.server.http import BodyWriter, make_server
+from llmgw.server.listen import listening_socket
+from llmgw.server.openai import routes, upstream
+from llmgw.server.openai.proxy import upstream_pool
+from llmgw.server.openai.router import Lease, Router
+from tests.integration.gateway_state import gateway_state, lifespan_only
+
+MODEL = "garbage-model"
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+# Types made once per request; none may outlive it.
+PER_REQUEST = (BodyWriter, RequestResponseCycle, upstream.Answer, Lease)
+
+
+async def _engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A kept-alive engine: a JSON answer, or a stream of three events and a usage one."""
+    try:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            body = json.loads(await reader.readexactly(length))
+            if body.get("stream"):
+                events = [{"choices": [{"delta": {"content": str(i)}}]} for i in range(3)]
+                events.append({"choices": [], "usage": USAGE})
+                data = b"".join(b"data: %b\n\n" % json.dumps(e).encode() for e in events)
+                data += b"data: [DONE]\n\n"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+                             % (len(data), data))
+            else:
+                data = json.dumps({"choices": [{"message": {"content": "hi"}}],
+                                   "usage": USAGE}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%b" % (len(data), data))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader) -> bytes:
+    """One answer's body, read by its length or its chunks."""
+    head = (await reader.readuntil(b"\r\n\r\n")).lower()
+    assert head.startswith(b"http/1.1 200"), head
+    if b"content-length: " in head:
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        return await reader.readexactly(length)
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    await reader.readexactly(2)
+    return body
+
+
+def _alive() -> dict[str, int]:
+    counts = {kind.__name__: 0 for kind in PER_REQUEST}
+    for thing in gc.get_objects():
+        if isinstance(thing, PER_REQUEST):
+            counts[type(thing).__name__] += 1
+    return counts
+
+
+async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
+    engine = await asyncio.start_server(_engine, "127.0.0.1", 0)
+    router = Router(rng=random.Random(1))
+    router.update({MODEL: [("r0", "127.0.0.1", engine.sockets[0].getsockname()[1])]})
+    pool = upstream_pool(Gateway())
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+    port = sock.getsockname()[1]
+    server = make_server(routes.gateway_first(lifespan_only, gateway_state(MODEL, router,
+                                                                            pool)), sock)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    gc.collect()
+    before = _alive()
+    gc.disable()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for stream in (False, True, False, True):
+            body = json.dumps({"model": MODEL, "stream": stream,
+                               "messages": [{"role": "user", "content": "hi"}]}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                         % (len(body), body))
+            answer = await asyncio.wait_for(_answer(reader), 5)
+            assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
+        writer.close()
+        await writer.wait_closed()
+        # The server learns of the close from its loop; then nothing of a request is left.
+        for _ in range(100):
+            if _alive() == before:
+                break
+            await asyncio.sleep(0.01)
+        assert _alive() == before
+    finally:
+        gc.enable()
+        server.stop()
+        await asyncio.wait_for(serving, 15)
+        await pool.close()
+        engine.close()
+        await engine.wait_closed()
