@@ -138,8 +138,10 @@ class Model(_Config):
 
 
 class Gateway(_Config):
-    """How long ``/v1`` waits on an engine. A non-streamed answer's first byte comes when
-    the whole generation is done, so ``first_byte_timeout_s`` is generous."""
+    """How long ``/v1`` waits on an engine. ``first_byte_timeout_s`` runs from the request
+    to the first byte of the answer's body (a stream's first event comes after the
+    prefill; a non-streamed answer's first byte when the whole generation is done), so it
+    is generous; ``idle_timeout_s`` then bounds each silence between chunks."""
 
     connect_timeout_s: PositiveSeconds = 5.0
     first_byte_timeout_s: PositiveSeconds = 600.0

@@ -15,15 +15,17 @@ from llmgw.server.metrics import Metrics
 from llmgw.server.openai.router import Router
 
 
-def gateway_state(model: str, router: Router, pool) -> SimpleNamespace:
+def gateway_state(model: str, router: Router, pool,
+                  gateway: Gateway | None = None) -> SimpleNamespace:
     """What ``routes`` reads of ``app.state``: ``model`` declared (on the sim engine), no API
-    keys required, no replica known to the controller (the router holds the replicas)."""
+    keys required, no replica known to the controller (the router holds the replicas);
+    ``gateway`` settings as given, else the defaults."""
     models = [msgspec.convert({"name": model, "profiles": [{"engine": "sim"}]}, Model)]
     controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
                                  sessions=NodeSessions(Timeouts()),
                                  why_not_ready=lambda model: "no replica is ready")
     return SimpleNamespace(router=router, upstream=pool, controller=controller,
-                           config=SimpleNamespace(gateway=Gateway(),
+                           config=SimpleNamespace(gateway=gateway or Gateway(),
                                                   auth=SimpleNamespace(require_api_key=False)),
                            metrics=Metrics(controller, router, process=False))
 

@@ -240,6 +240,66 @@ async def test_a_stream_idle_too_long_times_out_between_chunks():
     await pool.close()
 
 
+async def test_the_first_byte_limit_holds_until_the_first_byte_of_the_body():
+    """An engine may send its status line at once and its first token after a long prefill
+    (or a wait in its own queue): that wait is the first-byte limit's, not the idle one's."""
+    async def late(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        if n == 3:
+            await reader.read()  # never a byte of the body
+            return False
+        await asyncio.sleep(0.6)  # twice the idle limit, within the first-byte one
+        writer.write(b"5\r\nfirst\r\n0\r\n\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(late) as engine:
+        answer = await _post(pool, engine.port, first_byte_s=1.5, idle_s=0.3)
+        assert await answer.read() == b"first"
+        answer.close()
+        got: list[bytes] = []
+        answer = await _post(pool, engine.port, first_byte_s=1.5, idle_s=0.3)
+        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        assert got == [b"first"]
+        answer.close()
+
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        answer = await _post(pool, engine.port, first_byte_s=0.8, idle_s=0.2)
+        with pytest.raises(UpstreamTimeout) as caught:
+            await answer.read()
+        assert caught.value.phase == "first_byte" and caught.value.answered
+        assert 0.75 <= loop.time() - began < 3
+        answer.close()
+    await pool.close()
+
+
+async def test_a_piped_stream_that_starts_then_stops_is_cut_at_the_idle_limit():
+    """The body began while piped (no wait ended): from there the idle limit holds, not
+    the much longer first-byte one."""
+    async def stall(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"3\r\none\r\n")
+        await writer.drain()
+        await reader.read()  # silent until the client goes
+
+    got: list[bytes] = []
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stall) as engine:
+        answer = await _post(pool, engine.port, first_byte_s=30, idle_s=0.4)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(UpstreamTimeout) as caught:
+            await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        assert caught.value.phase == "idle" and got == [b"one"]
+        assert 0.45 <= loop.time() - began < 2  # the chunk at 0.1 s, then 0.4 s of silence
+        answer.close()
+    await pool.close()
+
+
 async def test_steady_chunks_within_the_idle_limit_never_time_out():
     async def steady(reader, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")

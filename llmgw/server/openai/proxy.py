@@ -125,9 +125,8 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                   ) -> None:
     try:
         content = await upstream.read()
-    except UpstreamTimeout:
-        raise ApiError(504, f"{replica} stopped sending its answer for "
-                       f"{gateway.idle_timeout_s:g} s (gateway.idle_timeout_s)",
+    except UpstreamTimeout as err:
+        raise ApiError(504, _silence(replica, err, gateway, "its answer"),
                        code="upstream_timeout") from None
     except UpstreamError as err:
         raise ApiError(502, f"the engine of {replica} broke off its answer: {err}",
@@ -178,12 +177,10 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                 await upstream.pipe(_sink(upstream, writer, progress, reader))
             else:
                 await _copy(upstream, send, progress, reader)
-        except UpstreamTimeout:
-            idle_timeout_s = gateway.idle_timeout_s
-            log.warning("%s sent nothing for %g s mid-stream; ending the stream", replica,
-                        idle_timeout_s)
-            tail = stream_error(f"{replica} sent nothing for {idle_timeout_s:g} s "
-                                "(gateway.idle_timeout_s)", "upstream_timeout")
+        except UpstreamTimeout as err:
+            why = _silence(replica, err, gateway, "the stream")
+            log.warning("%s; ending the stream", why)
+            tail = stream_error(why, "upstream_timeout")
         except UpstreamError as err:
             log.warning("%s broke off its stream: %s", replica, err)
             tail = stream_error(f"the engine of {replica} broke off the stream",
@@ -195,6 +192,15 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
             # tokens were spent. An engine reports usage only at the end, so a stream cut
             # short counts as a request without tokens.
             usage(reader.end())
+
+
+def _silence(replica: str, err: UpstreamTimeout, gateway: Gateway, what: str) -> str:
+    """Why an answer whose status line came was cut short by a limit, naming the limit."""
+    if err.phase == "first_byte":
+        return (f"{replica} sent no part of {what} within "
+                f"{gateway.first_byte_timeout_s:g} s (gateway.first_byte_timeout_s)")
+    return (f"{replica} sent nothing for {gateway.idle_timeout_s:g} s in the middle of "
+            f"{what} (gateway.idle_timeout_s)")
 
 
 def _sink(upstream: Answer, writer: BodyWriter, progress: Progress,

@@ -163,8 +163,9 @@ class Answer:
     ``pipe()`` (handed on from the connection's callback). ``close()`` ends it early,
     dropping the connection so the engine learns nobody listens."""
 
-    __slots__ = ("_armed", "_chunks", "_conn", "_done", "_error", "_first_byte_s",
-                 "_idle_s", "_last", "_queued", "_sink", "_waiter", "headers", "status")
+    __slots__ = ("_armed", "_chunks", "_conn", "_done", "_error", "_first_by",
+                 "_first_byte_s", "_idle_armed", "_idle_s", "_last", "_queued", "_sink",
+                 "_waiter", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -180,6 +181,12 @@ class Answer:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
         self._armed = False  # a limit runs (the connection's alarm is ours)
+        self._idle_armed = False  # ... and it is the idle limit
+        # Loop time by which the first byte of the body must have come: the first-byte
+        # limit holds until then, not only until the status line (an engine may send
+        # that at once and the first token after a long prefill).
+        self._first_by = 0.0
+        # When the body last moved (time.monotonic), or 0.0 while none of it has come.
         self._last = 0.0
 
     # --- read side ------------------------------------------------------------------------
@@ -192,7 +199,8 @@ class Answer:
     async def headers_done(self) -> None:
         if self.status:
             return
-        self._arm(self._first_byte_s)
+        self._first_by = self._conn.loop.time() + self._first_byte_s
+        self._arm_at(self._first_by)
         try:
             await self._wait()
         finally:
@@ -201,7 +209,8 @@ class Answer:
             raise self._error or UpstreamError("the answer ended early", answered=False)
 
     async def read(self) -> bytes:
-        """The whole body; each wait for more data under the idle limit."""
+        """The whole body; its first byte under the first-byte limit, each wait for more
+        under the idle limit."""
         parts = []
         while True:
             chunk = await self.chunk()
@@ -212,11 +221,15 @@ class Answer:
     async def chunk(self) -> bytes:
         """The body as it comes: everything received since the last call, ``b""`` once the
         answer is complete. Raises UpstreamError when the engine breaks it off, and
-        UpstreamTimeout when it sends nothing for the idle limit."""
+        UpstreamTimeout when its first byte does not come within the first-byte limit or
+        it then sends nothing for the idle limit."""
         if not self._chunks and not self._done and self._error is None:
-            if self._idle_s is not None:
-                self._last = time.monotonic()
+            if not self._last:
                 if not self._armed:
+                    self._arm_first()
+            elif self._idle_s is not None:
+                self._last = time.monotonic()
+                if not self._idle_armed:
                     self._arm(self._idle_s)
             await self._wait()
         if self._chunks:
@@ -244,7 +257,11 @@ class Answer:
                 self._conn.pause()
         self._sink = sink
         try:
-            if self._idle_s is not None and not self._done:
+            if self._done:
+                pass
+            elif not self._last:
+                self._arm_first()
+            elif self._idle_s is not None:
                 self._last = time.monotonic()
                 self._arm(self._idle_s)
             while not self._done and self._error is None:
@@ -281,30 +298,52 @@ class Answer:
     # --- timers ---------------------------------------------------------------------------
 
     def _arm(self, seconds: float) -> None:
-        self._armed = True
+        """The idle limit, ``seconds`` from now."""
+        self._armed = self._idle_armed = True
         self._conn.alarm(self._conn.loop.time() + seconds, self._expired)
+
+    def _arm_at(self, when: float) -> None:
+        self._armed, self._idle_armed = True, False
+        self._conn.alarm(when, self._expired)
+
+    def _arm_first(self) -> None:
+        """Head in, none of the body yet: ring at the first-byte deadline, or sooner, after
+        the idle limit, to notice a body that began streaming in the meantime (a ``pipe``
+        sink takes chunks without a wait ending) and time it by the idle limit."""
+        when = self._first_by
+        if self._idle_s is not None:
+            when = min(when, self._conn.loop.time() + self._idle_s)
+        self._arm_at(when)
 
     def _disarm(self) -> None:
         if self._armed:
-            self._armed = False
+            self._armed = self._idle_armed = False
             if self._conn.answer is self:
                 self._conn.alarm(0.0, None)
 
     def _expired(self) -> None:
-        self._armed = False
+        self._armed = self._idle_armed = False
         if self._done or self._error is not None:
             return
-        if self.status and self._idle_s is not None:
+        if self.status:
             if self._chunks or self._conn.paused:
                 # Data waits for our reader (a slow client): the engine is not idle.
-                self._arm(self._idle_s)
+                if self._idle_s is not None:
+                    self._arm(self._idle_s)
                 return
-            idle_for = time.monotonic() - self._last
-            if idle_for < self._idle_s:
-                # Data came since the limit was set: wait out the rest of the idle period.
-                self._arm(self._idle_s - idle_for)
-                return
-        self._fail(UpstreamTimeout("idle" if self.status else "first_byte",
+            if not self._last:
+                if self._conn.loop.time() < self._first_by - _ALARM_SLACK_S:
+                    self._arm_first()
+                    return
+            elif self._idle_s is not None:
+                idle_for = time.monotonic() - self._last
+                if idle_for < self._idle_s:
+                    # Data came since the limit was set: wait out the rest of the period.
+                    self._arm(self._idle_s - idle_for)
+                    return
+            else:
+                return  # no idle limit: the body may take its time
+        self._fail(UpstreamTimeout("idle" if self._last else "first_byte",
                                    answered=bool(self.status)))
         self._conn.abort()
 
