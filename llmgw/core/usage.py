@@ -285,17 +285,20 @@ class StreamUsage:
     them) and only if it mentions ``"usage"``; the last usage seen wins: OpenAI's
     ``stream_options.include_usage`` chunk, or the last chunk of llama.cpp and vLLM,
     which carry it. Memory is bounded by `max_line`: a line longer than that is skipped.
+    It also counts the chunks, for `counted`.
     """
 
-    __slots__ = ("_line", "_max_line", "_skipping", "usage")
+    __slots__ = ("_chunks", "_line", "_max_line", "_skipping", "usage")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
         self._line = bytearray()
         self._skipping = False  # in a line that grew past max_line, until its end
+        self._chunks = 0
         self.usage: Usage | None = None
 
     def feed(self, chunk: bytes) -> None:
+        self._chunks += 1
         if not self._line and chunk[-1:] == b"\n" and chunk.rfind(_USAGE) < 0:
             # Whole lines, none with a usage: nothing to read or keep (most chunks). This
             # runs for every event of every stream: rfind, not `in`, because on CPython
@@ -310,9 +313,23 @@ class StreamUsage:
         self._add(chunk, start, len(chunk))
 
     def end(self) -> Usage | None:
-        """The stream is over (a last line without a newline counts); the usage found."""
+        """The stream is over (a last line without a newline counts); the usage the engine
+        reported, or None."""
         self._line_done()
         return self.usage
+
+    def counted(self) -> Usage | None:
+        """The stream is over: what it counts as. The usage the engine reported; failing
+        that, one completion token for each chunk it sent (engines stream about a token a
+        chunk, and two or three more chunks of framing) and no prompt tokens: an engine
+        that reports usage only when asked (vLLM, SGLang) and a stream cut short before its
+        usage came (the client left, the engine broke off) still count what they sent, and
+        a client cannot get round a token limit by leaving just before the end. None for a
+        stream that sent nothing."""
+        found = self.end()
+        if found is None and self._chunks:
+            return Usage(0, self._chunks)
+        return found
 
     def _add(self, chunk: bytes, start: int, stop: int) -> None:
         if self._skipping or start == stop:

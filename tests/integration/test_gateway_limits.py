@@ -61,6 +61,38 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
     assert model["completion_tokens"] == 12 and model["prompt_tokens"] > 0
 
 
+def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_cluster):
+    """The sim, like vLLM, reports a stream's usage only when asked. Not asked, the stream
+    counts one completion token per chunk it sent: a client cannot spend tokens past its
+    limit by leaving `stream_options` out."""
+    c = make_cluster()
+    c.start_server()
+    c.add_agent("node-a")
+    c.wait_ready("sim-small")
+    key = _key(c, tpm=5)
+    body = {"model": "sim-small", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "count me"}]}
+    streamed = httpx.post(f"{c.base_url}/v1/chat/completions", json=body, timeout=20,
+                          headers={"authorization": f"Bearer {key}"})
+    assert streamed.status_code == 200
+    # The role, four tokens, the finish, [DONE]; no usage among them.
+    assert streamed.text.count("data: ") == 7 and '"usage"' not in streamed.text
+
+    prefix = next(k["prefix"] for k in c.admin("GET", "/api/keys").json()
+                  if key.startswith(k["prefix"]))
+
+    def recorded():
+        usage = c.admin("GET", f"/api/keys/{prefix}/usage").json()
+        return usage["models"] and usage
+    [model] = wait_for(recorded, 10, "the stream's usage to be written")["models"]
+    # Seven chunks at least (one a split across two reads would count twice).
+    assert model["requests"] == 1 and model["prompt_tokens"] == 0
+    assert model["completion_tokens"] >= 7
+    refused = _chat(c, key)
+    assert refused.status_code == 429, refused.text
+    assert "limit of 5 tokens per minute is used up" in refused.json()["error"]["message"]
+
+
 @pytest.fixture
 def shared_postgres():
     try:

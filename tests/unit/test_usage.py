@@ -169,6 +169,19 @@ def test_streams_without_usable_usage(stream: bytes) -> None:
     assert feed_in(stream, [len(stream) // 3]) is None
 
 
+def test_a_stream_counts_its_reported_usage_else_a_token_per_chunk() -> None:
+    reported = StreamUsage()
+    for chunk in (sse(delta("a")), sse(delta("b")), INCLUDE_USAGE):
+        reported.feed(chunk)
+    assert reported.counted() == Usage(9, 2)  # the engine's word, not the chunks
+    silent = StreamUsage()  # no usage asked for, or cut short before it came
+    for chunk in (sse(delta("a")), sse(delta("b")), b'data: {"usage": {"prompt_tok'):
+        silent.feed(chunk)
+    assert silent.end() is None
+    assert silent.counted() == Usage(0, 3)
+    assert StreamUsage().counted() is None  # nothing sent, nothing counted
+
+
 def test_overlong_line_is_skipped_and_memory_stays_bounded() -> None:
     huge = delta("x" * (MAX_LINE_BYTES + 10))
     huge["usage"] = {"prompt_tokens": 999, "completion_tokens": 999}

@@ -189,9 +189,8 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     finally:
         if reader is not None:
             # Counted however the stream ended (broken off, or the client left): the
-            # tokens were spent. An engine reports usage only at the end, so a stream cut
-            # short counts as a request without tokens.
-            usage(reader.end())
+            # tokens were spent.
+            usage(reader.counted())
 
 
 def _silence(replica: str, err: UpstreamTimeout, gateway: Gateway, what: str) -> str:
