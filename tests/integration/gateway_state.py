@@ -1,17 +1,26 @@
-"""The server state the gateway's routes read, for tests that drive them without a whole
-llmgw server: a catalog of one model, a real router and upstream pool, real metrics."""
+"""The gateway without a whole llmgw server, for tests that drive its routes in process:
+the server state they read (a catalog of one model, a real router and upstream pool, real
+metrics), and the routes served on llmgw's HTTP server in front of a test's engine."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import msgspec
 
-from llmgw.config import Gateway, Model
+from llmgw.config import Gateway, Listen, Model
 from llmgw.core.catalog import catalog_from_config
 from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
+from llmgw.server.http import make_server
+from llmgw.server.listen import listening_socket
 from llmgw.server.metrics import Metrics
+from llmgw.server.openai import routes
+from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 
 
@@ -37,3 +46,27 @@ async def lifespan_only(scope, receive, send) -> None:
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
     await send({"type": "lifespan.shutdown.complete"})
+
+
+@contextlib.asynccontextmanager
+async def gateway_in_process(model: str, engine, gateway: Gateway | None = None
+                             ) -> AsyncIterator[int]:
+    """The gateway's routes on llmgw's HTTP server on loopback, in front of one replica of
+    ``model``: an engine served by ``engine`` (an ``asyncio.start_server`` handler). Yields
+    the server's port; stops the server, the pool and the engine after."""
+    engine_server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    router = Router(rng=random.Random(1))
+    router.update({model: [("r0", "127.0.0.1", engine_server.sockets[0].getsockname()[1])]})
+    pool = upstream_pool(gateway or Gateway())
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
+    app = routes.gateway_first(lifespan_only, gateway_state(model, router, pool, gateway))
+    server = make_server(app, sock)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.stop()
+        await asyncio.wait_for(serving, 15)
+        await pool.close()
+        engine_server.close()
+        await engine_server.wait_closed()

@@ -14,17 +14,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import random
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from llmgw.config import Gateway, Listen
-from llmgw.server.http import BodyWriter, make_server
-from llmgw.server.listen import listening_socket
-from llmgw.server.openai import routes, upstream
-from llmgw.server.openai.proxy import upstream_pool
-from llmgw.server.openai.router import Lease, Router
-from tests.integration.gateway_state import gateway_state, lifespan_only
+from llmgw.server.http import BodyWriter
+from llmgw.server.openai import upstream
+from llmgw.server.openai.router import Lease
+from tests.integration.gateway_state import gateway_in_process
 
 MODEL = "garbage-model"
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -81,40 +77,33 @@ def _alive() -> dict[str, int]:
 
 
 async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
-    engine = await asyncio.start_server(_engine, "127.0.0.1", 0)
-    router = Router(rng=random.Random(1))
-    router.update({MODEL: [("r0", "127.0.0.1", engine.sockets[0].getsockname()[1])]})
-    pool = upstream_pool(Gateway())
-    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    port = sock.getsockname()[1]
-    server = make_server(routes.gateway_first(lifespan_only, gateway_state(MODEL, router,
-                                                                            pool)), sock)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    gc.collect()
-    before = _alive()
-    gc.disable()
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        for stream in (False, True, False, True):
-            body = json.dumps({"model": MODEL, "stream": stream,
-                               "messages": [{"role": "user", "content": "hi"}]}).encode()
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                         % (len(body), body))
-            answer = await asyncio.wait_for(_answer(reader), 5)
-            assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
-        writer.close()
-        await writer.wait_closed()
-        # The server learns of the close from its loop; then nothing of a request is left.
-        for _ in range(100):
-            if _alive() == before:
-                break
-            await asyncio.sleep(0.01)
-        assert _alive() == before
-    finally:
-        gc.enable()
-        server.stop()
-        await asyncio.wait_for(serving, 15)
-        await pool.close()
-        engine.close()
-        await engine.wait_closed()
+    async with gateway_in_process(MODEL, _engine) as port:
+        gc.collect()
+        before = _alive()
+        gc.disable()
+        try:
+            await _requests(port, before)
+        finally:
+            gc.enable()
+
+
+async def _requests(port: int, before: dict[str, int]) -> None:
+    """Two plain and two streamed requests on one connection, then the connection closed:
+    nothing of them is left."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    for stream in (False, True, False, True):
+        body = json.dumps({"model": MODEL, "stream": stream,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                     % (len(body), body))
+        answer = await asyncio.wait_for(_answer(reader), 5)
+        assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
+    writer.close()
+    await writer.wait_closed()
+    # The server learns of the close from its loop; then nothing of a request is left.
+    for _ in range(100):
+        if _alive() == before:
+            break
+        await asyncio.sleep(0.01)
+    assert _alive() == before

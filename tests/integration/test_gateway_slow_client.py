@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import socket
 
-from llmgw.config import Gateway, Listen
-from llmgw.server.http import make_server
-from llmgw.server.listen import listening_socket
-from llmgw.server.openai import routes, upstream
-from llmgw.server.openai.proxy import upstream_pool
-from llmgw.server.openai.router import Router
-from tests.integration.gateway_state import gateway_state, lifespan_only
+from llmgw.server.openai import upstream
+from tests.integration.gateway_state import gateway_in_process
 
 MODEL = "slow-reader-model"
 EVENTS = 32768
@@ -86,45 +80,31 @@ async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_
 
     monkeypatch.setattr(upstream._Connection, "pause", seen_pause)
     engine = _Engine()
-    engine_server = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
-    engine_port = engine_server.sockets[0].getsockname()[1]
-    router = Router(rng=random.Random(1))
-    router.update({MODEL: [("r0", "127.0.0.1", engine_port)]})
-    pool = upstream_pool(Gateway())
-    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    port = sock.getsockname()[1]
-    app = routes.gateway_first(lifespan_only, gateway_state(MODEL, router, pool))
-    server = make_server(app, sock)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    client = socket.socket()
-    try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**16)
-        client.settimeout(10)
-        await asyncio.to_thread(client.connect, ("127.0.0.1", port))
-        body = json.dumps({"model": MODEL, "stream": True,
-                           "messages": [{"role": "user", "content": "go"}]}).encode()
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                       b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                       % (len(body), body))
-        # The client reads nothing: the gateway must stop reading from the engine, which
-        # is then held back by its own socket, well short of the end.
-        await asyncio.wait_for(paused.wait(), 10)
-        assert not engine.done.is_set()
-        assert engine.written < EVENTS
-        answer = bytearray()
-        while not answer.endswith(b"\r\n0\r\n\r\n"):
-            piece = await asyncio.to_thread(client.recv, 2**20)
-            assert piece, "the gateway closed the connection mid-stream"
-            answer += piece
-        head, _, rest = bytes(answer).partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 "), head
-        lines = _events(rest)
-        assert [json.loads(line[6:])["n"] for line in lines] == list(range(EVENTS))
-        await asyncio.wait_for(engine.done.wait(), 5)
-    finally:
-        client.close()
-        server.stop()
-        await asyncio.wait_for(serving, 15)
-        await pool.close()
-        engine_server.close()
-        await engine_server.wait_closed()
+    async with gateway_in_process(MODEL, engine.serve) as port:
+        client = socket.socket()
+        try:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**16)
+            client.settimeout(10)
+            await asyncio.to_thread(client.connect, ("127.0.0.1", port))
+            body = json.dumps({"model": MODEL, "stream": True,
+                               "messages": [{"role": "user", "content": "go"}]}).encode()
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                           b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                           % (len(body), body))
+            # The client reads nothing: the gateway must stop reading from the engine,
+            # which is then held back by its own socket, well short of the end.
+            await asyncio.wait_for(paused.wait(), 10)
+            assert not engine.done.is_set()
+            assert engine.written < EVENTS
+            answer = bytearray()
+            while not answer.endswith(b"\r\n0\r\n\r\n"):
+                piece = await asyncio.to_thread(client.recv, 2**20)
+                assert piece, "the gateway closed the connection mid-stream"
+                answer += piece
+            head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            lines = _events(rest)
+            assert [json.loads(line[6:])["n"] for line in lines] == list(range(EVENTS))
+            await asyncio.wait_for(engine.done.wait(), 5)
+        finally:
+            client.close()

@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 
 import aiohttp
 
-from llmgw.config import Gateway, Listen
-from llmgw.server.http import make_server
-from llmgw.server.listen import listening_socket
-from llmgw.server.openai import routes
-from llmgw.server.openai.proxy import upstream_pool
-from llmgw.server.openai.router import Router
-from tests.integration.gateway_state import gateway_state, lifespan_only
+from llmgw.config import Gateway
+from tests.integration.gateway_state import gateway_in_process
 
 MODEL = "prefill-model"
 LIMITS = Gateway(first_byte_timeout_s=1.5, idle_timeout_s=0.3)
@@ -53,18 +47,9 @@ async def _engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 async def test_a_slow_first_token_gets_the_first_byte_limit_and_refusals_name_theirs():
-    engine = await asyncio.start_server(_engine, "127.0.0.1", 0)
-    router = Router(rng=random.Random(1))
-    router.update({MODEL: [("r0", "127.0.0.1", engine.sockets[0].getsockname()[1])]})
-    pool = upstream_pool(LIMITS)
-    sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
-    app = routes.gateway_first(lifespan_only, gateway_state(MODEL, router, pool, LIMITS))
-    server = make_server(app, sock)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
     loop = asyncio.get_running_loop()
 
-    async def post(http: aiohttp.ClientSession, stream: bool, prefill: float
+    async def post(http: aiohttp.ClientSession, url: str, stream: bool, prefill: float
                    ) -> tuple[int, bytes, float]:
         began = loop.time()
         async with http.post(url, json={"model": MODEL, "stream": stream, "prefill": prefill,
@@ -72,31 +57,26 @@ async def test_a_slow_first_token_gets_the_first_byte_limit_and_refusals_name_th
                              ) as resp:
             return resp.status, await resp.read(), loop.time() - began
 
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            # First token after twice the idle limit, within the first-byte one: whole.
-            status, body, _ = await post(http, True, 0.6)
-            assert status == 200 and body == EVENT * 3 + b"data: [DONE]\n\n", body
-            status, body, _ = await post(http, False, 0.6)
-            assert (status, body) == (200, b'{"choices":[]}')
+    async with (gateway_in_process(MODEL, _engine, LIMITS) as port,
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http):
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        # First token after twice the idle limit, within the first-byte one: whole.
+        status, body, _ = await post(http, url, True, 0.6)
+        assert status == 200 and body == EVENT * 3 + b"data: [DONE]\n\n", body
+        status, body, _ = await post(http, url, False, 0.6)
+        assert (status, body) == (200, b'{"choices":[]}')
 
-            # Never a token: the stream ends with an error event at the first-byte limit.
-            status, body, took = await post(http, True, -1)
-            assert status == 200 and body.startswith(b"data: "), body
-            error = json.loads(body[6:])["error"]
-            assert error["code"] == "upstream_timeout"
-            assert "within 1.5 s (gateway.first_byte_timeout_s)" in error["message"]
-            assert 1.4 <= took < 5, took
+        # Never a token: the stream ends with an error event at the first-byte limit.
+        status, body, took = await post(http, url, True, -1)
+        assert status == 200 and body.startswith(b"data: "), body
+        error = json.loads(body[6:])["error"]
+        assert error["code"] == "upstream_timeout"
+        assert "within 1.5 s (gateway.first_byte_timeout_s)" in error["message"]
+        assert 1.4 <= took < 5, took
 
-            # Not streamed: 504, naming the same limit.
-            status, body, took = await post(http, False, -1)
-            assert status == 504, body
-            assert "within 1.5 s (gateway.first_byte_timeout_s)" in json.loads(
-                body)["error"]["message"]
-            assert 1.4 <= took < 5, took
-    finally:
-        server.stop()
-        await asyncio.wait_for(serving, 15)
-        await pool.close()
-        engine.close()
-        await engine.wait_closed()
+        # Not streamed: 504, naming the same limit.
+        status, body, took = await post(http, url, False, -1)
+        assert status == 504, body
+        assert "within 1.5 s (gateway.first_byte_timeout_s)" in json.loads(
+            body)["error"]["message"]
+        assert 1.4 <= took < 5, took
