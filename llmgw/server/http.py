@@ -56,7 +56,8 @@ class BodyWriter:
     which keeps uvicorn's account of the response (keep-alive, the next pipelined
     request)."""
 
-    __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_transport")
+    __slots__ = ("_cycle", "_flow", "_gone", "_held", "_on_gone", "_protocol", "_streaming",
+                 "_transport")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
         self._protocol: BoundedHeadProtocol | None = protocol  # None once the client left
@@ -70,6 +71,9 @@ class BodyWriter:
         self._flow = cycle.flow
         self._held: _Held | None = None
         self._on_gone: Callable[[], None] | None = None
+        self._gone = False  # the client's connection was lost
+        # The response was seen started and chunked: later writes skip asking the cycle.
+        self._streaming = False
 
     @property
     def disconnected(self) -> bool:
@@ -86,6 +90,7 @@ class BodyWriter:
 
     def _connection_lost(self) -> None:
         self._protocol = None
+        self._gone = True
         callback = self._on_gone
         if callback is not None and self.disconnected:
             self._on_gone = None
@@ -115,10 +120,14 @@ class BodyWriter:
         """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
         no more for now: its connection's buffer is full (``when_writable`` says when it
         drains) or it is gone (the app learns that from ``receive``)."""
-        cycle = self._cycle()
-        if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
-            raise RuntimeError("BodyWriter.write outside a started chunked response")
-        if cycle.disconnected:
+        if not self._streaming:
+            # Once per response (the cycle is asked here, not per chunk: this runs for
+            # every chunk of every stream).
+            cycle = self._cycle()
+            if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
+                raise RuntimeError("BodyWriter.write outside a started chunked response")
+            self._streaming = True
+        if self._gone:
             return False
         if self._held is None:
             self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

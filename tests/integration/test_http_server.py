@@ -454,6 +454,9 @@ async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_do
     served.close()
     assert left == ["/leaves"]  # called from the connection's loss, once
     assert writers[1].disconnected and not writers[0].disconnected
+    written = len(served.transport.writes)
+    assert not writers[1].write(b"data: 2\n\n")  # nobody to write to: nothing written
+    assert len(served.transport.writes) == written
     finish.set()
     await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)
     assert left == ["/leaves"]
