@@ -51,7 +51,7 @@ class Server:
     @property
     def asgi(self) -> ASGIApp:
         """What the HTTP server runs: the gateway's POSTs first, then Litestar."""
-        return openai_routes.gateway_first(self.app, self.app.state)
+        return openai_routes.gateway_first(self.app, self.app.state.gateway)
 
 
 @get("/healthz")
@@ -121,9 +121,13 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     hasher = PasswordHasher(auth.hash_slots, auth.argon2_memory_kib, auth.argon2_time_cost,
                             auth.argon2_parallelism)
 
+    gateway = openai_routes.GatewayContext(
+        config=config, controller=controller, router=router, store=store, metrics=metrics,
+        usage=usage, api_keys=KeyCache(store, auth.key_cache_s))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.upstream = upstream_pool(config.gateway)
+        gateway.upstream = upstream = upstream_pool(config.gateway)
         await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping"),
@@ -134,7 +138,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await app.state.upstream.close()
+            await upstream.close()
 
     app = Litestar(
         route_handlers=[healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
@@ -144,7 +148,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             "config": config, "store": store, "controller": controller, "router": router,
             "admin_token": admin_token, "started_at": time.time(),
             "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
-            "api_keys": KeyCache(store, auth.key_cache_s),
+            "api_keys": gateway.api_keys, "gateway": gateway,
             # join.RevokedCallback: awaited with (node, serials) after a revocation.
             "on_revoked": [],
         }),

@@ -26,9 +26,9 @@ from llmgw.server.openai.router import Router
 
 def gateway_state(model: str, router: Router, pool,
                   gateway: Gateway | None = None) -> SimpleNamespace:
-    """What ``routes`` reads of ``app.state``: ``model`` declared (on the sim engine), no API
-    keys required, no replica known to the controller (the router holds the replicas);
-    ``gateway`` settings as given, else the defaults."""
+    """What ``routes`` reads of its ``GatewayContext``: ``model`` declared (on the sim
+    engine), no API keys required, no replica known to the controller (the router holds
+    the replicas); ``gateway`` settings as given, else the defaults."""
     models = [msgspec.convert({"name": model, "profiles": [{"engine": "sim"}]}, Model)]
     controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
                                  sessions=NodeSessions(Timeouts()),

@@ -29,6 +29,14 @@ def _chat(c, key: str, stream: bool = False) -> httpx.Response:
                       headers={"authorization": f"Bearer {key}"})
 
 
+def _one_minute_ahead() -> None:
+    """Requests that must count in one window of `rpm` (a UTC minute) are not sent in a
+    minute's last seconds: wait for the next one to start."""
+    into_minute = time.time() % 60
+    if into_minute > 50:
+        time.sleep(60.2 - into_minute)
+
+
 def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(make_cluster):
     c = make_cluster()
     c.start_server()
@@ -36,6 +44,7 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
     c.wait_ready("sim-small")
     key = _key(c, rpm=3)
 
+    _one_minute_ahead()
     answers = [_chat(c, key), _chat(c, key, stream=True), _chat(c, key)]
     assert [a.status_code for a in answers] == [200, 200, 200]
     refused = _chat(c, key)
@@ -64,12 +73,13 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
 def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_cluster):
     """The sim, like vLLM, reports a stream's usage only when asked. Not asked, the stream
     counts one completion token per chunk it sent: a client cannot spend tokens past its
-    limit by leaving `stream_options` out."""
+    limit by leaving `stream_options` out. (A daily limit: a minute's could roll over
+    between the stream and the request it must refuse.)"""
     c = make_cluster()
     c.start_server()
     c.add_agent("node-a")
     c.wait_ready("sim-small")
-    key = _key(c, tpm=5)
+    key = _key(c, tokens_per_day=5)
     body = {"model": "sim-small", "max_tokens": 4, "stream": True,
             "messages": [{"role": "user", "content": "count me"}]}
     streamed = httpx.post(f"{c.base_url}/v1/chat/completions", json=body, timeout=20,
@@ -90,7 +100,7 @@ def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_c
     assert model["completion_tokens"] >= 7
     refused = _chat(c, key)
     assert refused.status_code == 429, refused.text
-    assert "limit of 5 tokens per minute is used up" in refused.json()["error"]["message"]
+    assert "limit of 5 tokens per day (UTC) is used up" in refused.json()["error"]["message"]
 
 
 @pytest.fixture
@@ -115,6 +125,7 @@ def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, shared_p
     b.wait_ready("sim-small")
     key = _key(a, rpm=5)
 
+    _one_minute_ahead()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda c: _chat(c, key), [a, b] * 4))
 

@@ -7,7 +7,9 @@ import difflib
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import msgspec
 import multipart
@@ -23,6 +25,16 @@ from llmgw.server.openai.proxy import Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
 from llmgw.server.openai.upstream import JSON_TYPE
 from llmgw.store import ApiKeyRecord
+
+if TYPE_CHECKING:
+    from llmgw.config import ServerConfig
+    from llmgw.server.auth import KeyCache
+    from llmgw.server.controller import Controller
+    from llmgw.server.metrics import Metrics
+    from llmgw.server.openai.router import Router
+    from llmgw.server.openai.upstream import Pool
+    from llmgw.server.openai.usage import UsageRecorder
+    from llmgw.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -181,12 +193,28 @@ async def _send_error(send: Send, err: ApiError) -> None:
                 "body": error_body(err.status, err.message, code=err.code, param=err.param)})
 
 
+@dataclass(slots=True, eq=False)
+class GatewayContext:
+    """What the ``/v1`` routes use of the server, as plain attributes. (Litestar's State
+    answers each attribute through a ``__getattr__`` in Python, 0.33 µs; a request asked
+    it nine times.) In the app's state as ``gateway``."""
+
+    config: ServerConfig
+    controller: Controller
+    router: Router
+    store: Store
+    metrics: Metrics
+    usage: UsageRecorder
+    api_keys: KeyCache
+    upstream: Pool | None = None  # made in the app's lifespan, on its event loop
+
+
 # The field each known endpoint's body must have; any other POST under /v1 needs `model` only.
 REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt",
                   "/v1/embeddings": "input"}
 
 
-def gateway_first(app: ASGIApp, state) -> ASGIApp:
+def gateway_first(app: ASGIApp, state: GatewayContext) -> ASGIApp:
     """The ASGI app the server runs: every POST under ``/v1`` (but ``/v1/models``) goes
     straight to the gateway, everything else to ``app`` (Litestar).
 
@@ -367,7 +395,7 @@ async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
 
 
 async def _litestar_route(scope: Scope, receive: Receive, send: Send, path: str) -> None:
-    await _gateway(scope["litestar_app"].state, scope, receive, send, path,
+    await _gateway(scope["litestar_app"].state.gateway, scope, receive, send, path,
                    REQUIRED_FIELD.get(path))
 
 
@@ -397,7 +425,7 @@ async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None
 
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
-    record = await _authorize(request.app.state, request.headers.get("authorization"))
+    record = await _authorize(request.app.state.gateway, request.headers.get("authorization"))
     allowed = record.allowed_models if record else None
     catalog = request.app.state.controller.catalog
     created = int(request.app.state.started_at)
