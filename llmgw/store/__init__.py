@@ -14,6 +14,7 @@ from llmgw.store.records import (
     SessionRecord,
     StoredModel,
     StoreError,
+    UsageEntry,
     UsageRecord,
     UsernameTaken,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Store",
     "StoreError",
     "StoredModel",
+    "UsageEntry",
     "UsageRecord",
     "UsernameTaken",
     "open_store",

@@ -77,6 +77,17 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     limits: Limits = msgspec.field(default_factory=Limits)
 
 
+class UsageEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """Answers of one key and model to add to the usage record (`Store.record_usages`):
+    how many, and the tokens they reported."""
+
+    key_id: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    requests: int = 1
+
+
 class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What one key used of one model on one UTC day, for reporting.
 

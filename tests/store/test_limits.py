@@ -19,7 +19,14 @@ import pytest
 from sqlalchemy import event, func, select
 
 from llmgw.core.usage import Counts, Limits, Refusal
-from llmgw.store import ApiKeyRecord, Store, StoreError, UsageRecord, open_store
+from llmgw.store import (
+    ApiKeyRecord,
+    Store,
+    StoreError,
+    UsageEntry,
+    UsageRecord,
+    open_store,
+)
 from llmgw.store.tables import UsageWindowRow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,8 +176,8 @@ async def test_one_statement_per_admit_and_per_record(store: Store) -> None:
     assert len(seen) == 1 and seen[0].startswith("INSERT INTO usage_windows")
     with statements(store) as seen:
         await store.record_usage(key.id, "qwen", 5, 5, T)
-    # PostgreSQL: the window upsert is a CTE of the usage upsert; SQLite runs both.
-    assert len(seen) == (1 if store.backend == "postgresql" else 2)
+    assert [s.split("(")[0].strip() for s in seen] == [
+        "INSERT INTO usage_windows", "INSERT INTO usage_days"]
 
 
 async def test_admit_for_an_unknown_key_fails(store: Store) -> None:
@@ -223,6 +230,46 @@ async def test_usage_is_recorded_per_key_model_and_day(store: Store) -> None:
         since=march_31, until=march_31)] == [(one.id, 7), (one.id, 18), (two.id, 200)]
     assert await store.usage_counts(one.id, T) == Counts(
         tokens_this_minute=22, tokens_today=25, tokens_this_month=25)
+
+
+async def test_many_keys_and_models_are_recorded_by_two_statements(store: Store) -> None:
+    """As the gateway flushes a second's usage: every key and model at once, entries of the
+    same pair added up, each key's windows counting all its models; two statements in all,
+    each run once for all its rows (executemany)."""
+    keys = [await add_key(store, f"llmgw_b{i:03d}") for i in range(5)]
+    entries = [UsageEntry(key_id=k.id, model=m, requests=2, prompt_tokens=10 * i,
+                          completion_tokens=i) for i, k in enumerate(keys)
+               for m in ("qwen", "llama")]
+    entries.append(UsageEntry(key_id=keys[1].id, model="qwen", prompt_tokens=1,
+                              completion_tokens=1))  # the same pair again: added up
+    with statements(store) as seen:
+        await store.record_usages(entries, T)
+    assert len(seen) == 2
+    usage = {(u.key_id, u.model): u for u in await store.list_usage()}
+    assert len(usage) == 10
+    assert usage[keys[1].id, "qwen"] == UsageRecord(
+        key_id=keys[1].id, model="qwen", day=T.date(), requests=3, prompt_tokens=11,
+        completion_tokens=2)
+    assert usage[keys[4].id, "llama"].total_tokens == 44
+    assert await store.usage_counts(keys[0].id, T) == Counts()  # no tokens, no windows
+    assert await store.usage_counts(keys[1].id, T) == Counts(
+        tokens_this_minute=24, tokens_today=24, tokens_this_month=24)
+
+    with statements(store) as seen:  # again: added to what is there
+        await store.record_usages(entries[:2], T)
+    assert len(seen) == 1  # keys[0] used no tokens: no windows to write
+    assert usage[keys[0].id, "qwen"].requests == 2
+    assert [u.requests for u in await store.list_usage(keys[0].id)] == [4, 4]
+
+
+async def test_a_bad_entry_among_many_records_none(store: Store) -> None:
+    key = await add_key(store)
+    good = UsageEntry(key_id=key.id, model="qwen", prompt_tokens=1, completion_tokens=1)
+    bad = UsageEntry(key_id=key.id, model="llama", prompt_tokens=-3, completion_tokens=0)
+    with pytest.raises(StoreError, match=r"prompt_tokens must be a whole number from 0 up, "
+                                         r"not -3 \(key \d+, model 'llama'\)"):
+        await store.record_usages([good, bad], T)
+    assert await store.list_usage() == []
 
 
 async def test_prune_removes_only_ended_windows(store: Store) -> None:
