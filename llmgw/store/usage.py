@@ -6,17 +6,18 @@ by a single INSERT ... ON CONFLICT DO UPDATE ... RETURNING, which PostgreSQL ser
 on the row lock and SQLite on its one writer. Of N concurrent requests under a limit of
 L per minute, exactly L see a count of at most L, whichever server they reached.
 
-Statements per call (each on PostgreSQL in autocommit: no BEGIN or COMMIT round trip):
+Statements per call:
 
-- `admit`: one, or none for a key without limits. With an rpm limit it is the upsert of
-  the minute row, whose RETURNING also reads the day and month tokens (scalar subqueries)
-  when those are limited; without one it is a single SELECT of the windows needed.
-- `record_usages`: for any number of keys and models, one transaction of two prepared
-  statements, each run for all its rows at once (executemany): the windows' upsert and
-  usage_days'. The gateway flushes a second's usage of every busy key with one call
-  (`record_usage` is one entry of it): measured with bench/usage_flush.py, 1,000 keys and
-  models cost 12-15 ms of CPU where a statement each, with the rows in its SQL, cost
-  1.7-2.2 s.
+- `admit`, on every request of a key with limits: one (on PostgreSQL in autocommit: no
+  BEGIN or COMMIT round trip), or none for a key without limits. With an rpm limit it is
+  the upsert of the minute row, whose RETURNING also reads the day and month tokens
+  (scalar subqueries) when those are limited; without one it is a single SELECT of the
+  windows needed.
+- `record_usages`, once a second for every busy key: one transaction of two prepared
+  statements, each run for all its rows at once (executemany), the windows' upsert and
+  usage_days'. `record_usage` is one entry of it. Measured with bench/usage_flush.py:
+  1,000 keys and models cost 13-14 ms of CPU, where a statement each, its rows in its
+  SQL, cost 1.5-1.7 s.
 
 The decision itself (`llmgw.core.usage.judge`) is pure; this module only counts.
 """
