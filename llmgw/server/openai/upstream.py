@@ -258,7 +258,7 @@ class Answer:
         self._sink = sink
         try:
             if self._done:
-                pass
+                pass  # came whole before there was a sink: nothing to time
             elif not self._last:
                 self._arm_first()
             elif self._idle_s is not None:
