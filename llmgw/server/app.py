@@ -131,7 +131,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         await controller.load_draining()
         tasks = [asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping"),
-                 asyncio.create_task(usage.run(), name="usage")]
+                 asyncio.create_task(usage.run(), name="usage"),
+                 asyncio.create_task(gateway.api_keys.run(), name="api-keys")]
         try:
             yield
         finally:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +37,14 @@ from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
 from llmgw.store.pki import PkiMixin
 from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel, StoreError
-from llmgw.store.tables import ApiKeyRow, CounterRow, ModelRow, NodeRow, SettingRow
+from llmgw.store.tables import (
+    AccountRow,
+    ApiKeyRow,
+    CounterRow,
+    ModelRow,
+    NodeRow,
+    SettingRow,
+)
 from llmgw.store.usage import UsageMixin
 
 SUPPORTED_SCHEMES = ("sqlite+aiosqlite", "postgresql+asyncpg")
@@ -134,6 +141,10 @@ def _words(exc: BaseException) -> str:
     """The driver's own message, without SQLAlchemy's wrapping and links."""
     inner = getattr(exc, "orig", None) or exc
     return str(inner).strip() or type(inner).__name__
+
+
+# Prefixes per query of find_api_keys: well within either backend's bound parameters.
+_PREFIXES_PER_READ = 500
 
 
 class Store(AccountsMixin, UsageMixin, PkiMixin):
@@ -312,6 +323,25 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
         async with self._tx() as s:
             row = await s.scalar(select(ApiKeyRow).where(ApiKeyRow.prefix == prefix))
             return None if row is None else row.to_record()
+
+    async def find_api_keys(self, prefixes: Collection[str]
+                            ) -> list[tuple[ApiKeyRecord, bool]]:
+        """The keys with these prefixes that exist (revoked or expired ones included), each
+        with whether its owner lets it be used: no owner, or an account not disabled. One
+        query per `_PREFIXES_PER_READ` prefixes: what the gateway's key cache reads."""
+        found = []
+        prefixes = list(prefixes)
+        async with self._tx() as s:
+            for at in range(0, len(prefixes), _PREFIXES_PER_READ):
+                rows = await s.execute(
+                    select(ApiKeyRow, AccountRow.id, AccountRow.disabled_at)
+                    .outerjoin(AccountRow, AccountRow.id == ApiKeyRow.account_id)
+                    .where(ApiKeyRow.prefix.in_(prefixes[at:at + _PREFIXES_PER_READ])))
+                for key, account, disabled_at in rows:
+                    enabled = key.account_id is None or (account is not None
+                                                         and disabled_at is None)
+                    found.append((key.to_record(), enabled))
+        return found
 
     async def list_api_keys(self, account_id: int | None = None) -> list[ApiKeyRecord]:
         """The keys of the account if given, else every key; by id, revoked ones included."""

@@ -1,6 +1,7 @@
 """The gateway's cache of API keys over a real store (SQLite and PostgreSQL): one store
 read per key per ``ttl_s`` however many requests, reads shared, changes made through this
-server applied at once and changes made elsewhere within ``ttl_s``."""
+server applied at once and changes made elsewhere within ``ttl_s``; the keys in use read
+again together, in one query, so that they never expire under their requests."""
 
 from __future__ import annotations
 
@@ -10,30 +11,31 @@ from datetime import UTC, datetime
 from llmgw.server.auth import KeyCache, create_api_key
 from llmgw.server.auth.keys import _checksum, key_id, new_api_key
 from llmgw.store import AccountRecord, ApiKeyRecord, Store
+from llmgw.store import store as store_module
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
 class Reads:
-    """The real store, with its key reads counted; ``gate``, when given, holds what each
-    read found until it is set, so a test can change the key while a read is on its way."""
+    """The real store, with its key reads counted (and the keys each asked for);
+    ``gate``, when given, holds what each read found until it is set, so a test can change
+    a key while a read is on its way."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.count = 0
+        self.asked: list[set[str]] = []
         self.started = asyncio.Event()
         self.gate: asyncio.Event | None = None
 
-    async def find_api_key(self, prefix: str) -> ApiKeyRecord | None:
+    async def find_api_keys(self, prefixes) -> list[tuple[ApiKeyRecord, bool]]:
         self.count += 1
-        found = await self.store.find_api_key(prefix)
+        self.asked.append(set(prefixes))
+        found = await self.store.find_api_keys(prefixes)
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
         return found
-
-    async def get_account(self, account_id: int) -> AccountRecord | None:
-        return await self.store.get_account(account_id)
 
 
 class Clock:
@@ -129,3 +131,88 @@ async def test_keys_the_store_does_not_have_are_not_kept(store):
         assert await cache.check(key, NOW) == "the API key is not valid"
     # Each of the hundred requests read the store: nothing was kept for a key nobody has.
     assert reads.count == 100
+
+
+async def test_keys_in_use_are_read_again_together_and_never_expire_under_requests(store):
+    keys = [await create_api_key(store, f"tenant{i}") for i in range(3)]
+    idle, _ = await create_api_key(store, "idle")
+    reads, clock = Reads(store), Clock()
+    cache = KeyCache(reads, ttl_s=5.0, clock=clock)
+    for key, record in keys:
+        assert await cache.check(key, NOW) == record
+    assert await cache.check(idle, NOW) != "the API key is not valid"
+    assert reads.count == 4
+
+    # The first refresh reads all four (each was used since) in one query.
+    await cache.refresh()
+    assert reads.count == 5 and len(reads.asked[-1]) == 4
+    # Only the three tenants are used from here; each refresh, within the ttl of the one
+    # before, reads them again together: their requests never read the store.
+    for _ in range(4):
+        clock.now += 2.5
+        for key, record in keys:
+            assert await cache.check(key, NOW) == record
+        await cache.refresh()
+    assert reads.count == 9
+    assert reads.asked[-1] == {key_id(key) for key, _ in keys}  # idle was dropped
+    clock.now += 2.5
+    assert await cache.check(idle, NOW) != "the API key is not valid"
+    assert reads.count == 10  # idle's next request read it: not kept while unused
+
+
+async def test_a_refresh_sees_a_change_made_elsewhere_and_a_key_deleted(store):
+    (kept, kept_record), (revoked, revoked_record) = [
+        await create_api_key(store, name) for name in ("kept", "revoked")]
+    reads, clock = Reads(store), Clock()
+    cache = KeyCache(reads, ttl_s=5.0, clock=clock)
+    owner = await store.add_account(AccountRecord(username="carol", password_hash="x",
+                                                  role="user", created_at=NOW))
+    owned, _ = await create_api_key(store, "carols", account_id=owner.id)
+    for key in (kept, revoked, owned):
+        assert not isinstance(await cache.check(key, NOW), str)
+
+    # Another server revokes one key and disables an owner: the next refresh sees both,
+    # within the ttl, without a request having to read.
+    await store.revoke_api_key(revoked_record.prefix, NOW)
+    await store.update_account(owner.id, disabled_at=NOW)
+    await cache.refresh()
+    assert reads.count == 4  # three requests' reads, then the refresh's one
+    assert await cache.check(kept, NOW) == kept_record
+    assert await cache.check(revoked, NOW) == "the API key has been revoked"
+    assert await cache.check(owned, NOW) == "the account that owns this API key is disabled"
+    assert reads.count == 4  # what the refresh read, not read again
+
+
+async def test_a_refresh_that_a_forget_overtakes_is_not_kept(store):
+    key, record = await create_api_key(store, "overtaken")
+    reads, clock = Reads(store), Clock()
+    cache = KeyCache(reads, ttl_s=5.0, clock=clock)
+    assert await cache.check(key, NOW) == record
+    reads.gate, reads.started = asyncio.Event(), asyncio.Event()
+    refreshing = asyncio.create_task(cache.refresh())
+    await reads.started.wait()  # the refresh read the key: it was not revoked yet
+    await store.revoke_api_key(record.prefix, NOW)
+    cache.forget(record.prefix)  # as the admin route does
+    reads.gate.set()
+    await refreshing
+    reads.gate = None
+    assert await cache.check(key, NOW) == "the API key has been revoked"
+
+
+async def test_find_api_keys_reads_many_keys_and_whether_their_owners_let_them(store,
+                                                                              monkeypatch):
+    alice, bob = [await store.add_account(AccountRecord(
+        username=name, password_hash="x", role="user", created_at=NOW))
+        for name in ("alice", "bob")]
+    await store.update_account(bob.id, disabled_at=NOW)
+    made = {name: (await create_api_key(store, name, account_id=owner))[1]
+            for name, owner in (("admins", None), ("alices", alice.id), ("bobs", bob.id))}
+    await store.revoke_api_key(made["admins"].prefix, NOW)  # revoked: still found
+    monkeypatch.setattr(store_module, "_PREFIXES_PER_READ", 2)  # three queries for five
+    found = await store.find_api_keys([r.prefix for r in made.values()]
+                                      + ["llmgw_nobodyhasit", "llmgw_norhasthis"])
+    assert sorted((record.name, enabled) for record, enabled in found) == [
+        ("admins", True), ("alices", True), ("bobs", False)]
+    assert {record.prefix: record for record, _ in found}[made["admins"].prefix] == (
+        await store.find_api_key(made["admins"].prefix))
+    assert await store.find_api_keys([]) == []

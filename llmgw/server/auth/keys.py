@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import string
 import time
@@ -20,7 +21,9 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from llmgw.store import ApiKeyRecord, Store
+from llmgw.store import ApiKeyRecord, Store, StoreError
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "llmgw_"
 _ALPHABET = string.digits + string.ascii_letters
@@ -103,15 +106,13 @@ class _Known(msgspec.Struct, frozen=True):
         return record
 
 
+def _known(record: ApiKeyRecord, owner_enabled: bool) -> _Known:
+    return _Known(record, owner_enabled, bytes.fromhex(record.secret_hash))
+
+
 async def _lookup(store: Store, prefix: str) -> _Known | None:
-    record = await store.find_api_key(prefix)
-    if record is None:
-        return None
-    enabled = True
-    if record.account_id is not None:
-        owner = await store.get_account(record.account_id)
-        enabled = owner is not None and owner.disabled_at is None
-    return _Known(record, enabled, bytes.fromhex(record.secret_hash))
+    found = await store.find_api_keys([prefix])
+    return _known(*found[0]) if found else None
 
 
 async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord | str:
@@ -134,6 +135,10 @@ class KeyCache:
     effect at once: the admin routes call ``forget``. One made through another server
     sharing the store takes effect here within ``ttl_s``. Only keys the store has are
     kept, so made-up keys cannot fill it; their every request reads the store, as before.
+
+    ``run`` reads again, every ``ttl_s / 2`` and in one query, every key used since it
+    last did, and drops the keys not used: a key in use never expires, so its requests
+    never wait for a read, and many keys in use cost a query, not one each.
     """
 
     def __init__(self, store: Store, ttl_s: float, max_keys: int = 100_000,
@@ -147,14 +152,18 @@ class KeyCache:
         self._reading: dict[str, asyncio.Task[_Known | None]] = {}
         # Bumped by forget: a read begun before a change must not be kept after it.
         self._generation = 0
+        # The keys checked since the last refresh: the ones it reads again.
+        self._used: set[str] = set()
 
     async def check(self, key: str, now: datetime | None = None) -> ApiKeyRecord | str:
         """The key's record, or why it was refused, as check_api_key; ``now`` by default
         read only if the key can expire."""
         # A key read lately is known by its id part: its hash, compared below, vouches for
         # the rest, so the checksum need not be worked out first.
-        cached = self._known.get(key[:_PREFIX_LEN]) if len(key) == KEY_LEN else None
+        head = key[:_PREFIX_LEN]
+        cached = self._known.get(head) if len(key) == KEY_LEN else None
         if cached is not None and cached[1] > self._clock():
+            self._used.add(head)
             verdict = cached[0].judge(key, now)
             if verdict is _NOT_VALID and key_id(key) is None:
                 return _MALFORMED  # a typo: say so, as for a key not read lately
@@ -176,11 +185,48 @@ class KeyCache:
         finally:
             del self._reading[prefix]
         if known is not None and self._ttl_s > 0 and generation == self._generation:
-            self._known.pop(prefix, None)
-            if len(self._known) >= self._max_keys:
-                del self._known[next(iter(self._known))]  # the one read longest ago
-            self._known[prefix] = (known, self._clock() + self._ttl_s)
+            self._keep(prefix, known, self._clock() + self._ttl_s)
+            self._used.add(prefix)
         return known
+
+    def _keep(self, prefix: str, known: _Known, until: float) -> None:
+        self._known.pop(prefix, None)
+        if len(self._known) >= self._max_keys:
+            del self._known[next(iter(self._known))]  # the one read longest ago
+        self._known[prefix] = (known, until)
+
+    async def refresh(self) -> None:
+        """Read again, in one go, every key used since the last refresh; forget the rest
+        (each is read at its next use)."""
+        used, self._used = self._used, set()
+        for prefix in [p for p in self._known if p not in used]:
+            del self._known[prefix]
+        wanted = [p for p in used if p in self._known]
+        if not wanted:
+            return
+        generation = self._generation
+        found = await self._store.find_api_keys(wanted)
+        if generation != self._generation:
+            return  # a forget came meanwhile: what was read may be older than it
+        until = self._clock() + self._ttl_s
+        for record, owner_enabled in found:
+            self._keep(record.prefix, _known(record, owner_enabled), until)
+        gone = set(wanted).difference(record.prefix for record, _ in found)
+        for prefix in gone:  # deleted from the store
+            self._known.pop(prefix, None)
+
+    async def run(self) -> None:
+        """``refresh`` every ``ttl_s / 2`` until cancelled (never with a ttl of 0)."""
+        if self._ttl_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(self._ttl_s / 2)
+            try:
+                await self.refresh()
+            except StoreError as err:
+                # The keys in use then expire as they would without a refresh, and are
+                # read at their next use.
+                log.warning("could not read the API keys in use again: %s", err)
 
     def forget(self, prefix: str | None = None) -> None:
         """Read the key (every key, without ``prefix``) from the store at its next use."""
