@@ -113,7 +113,7 @@ class BodyWriter:
             cycle = self._cycle()
             if cycle is not None:
                 cycle.transport = held.transport
-                if held.parts and not cycle.disconnected:
+                if held.parts and not (cycle.disconnected or held.transport.is_closing()):
                     held.transport.write(b"".join(held.parts))
 
     def write(self, chunk: bytes) -> bool:
@@ -127,7 +127,9 @@ class BodyWriter:
             if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
                 raise RuntimeError("BodyWriter.write outside a started chunked response")
             self._streaming = True
-        if self._gone:
+        if self._gone or self._transport.is_closing():
+            # (Closing: the loss reaches only the connection's latest request, and under
+            # HTTP pipelining that may not be the one writing.)
             return False
         if self._held is None:
             self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

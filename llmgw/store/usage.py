@@ -14,8 +14,8 @@ Statements per call:
   (scalar subqueries) when those are limited; without one it is a single SELECT of the
   windows needed.
 - `record_usages`, once a second for every busy key: one transaction of two prepared
-  statements, each run for all its rows at once (executemany), the windows' upsert and
-  usage_days'. `record_usage` is one entry of it. Measured with bench/usage_flush.py:
+  statements, each run for all its rows at once (executemany), usage_days' upsert and
+  the windows'. `record_usage` is one entry of it. Measured with bench/usage_flush.py:
   1,000 keys and models cost 13-14 ms of CPU, where a statement each, its rows in its
   SQL, cost 1.5-1.7 s.
 
@@ -140,9 +140,11 @@ class UsageMixin:
                    for period, start in starts]  # always in this order: rows are locked in it
         days_upsert, windows_upsert = self._usage_upserts
         async with self._tx() as s:
-            if windows:
-                await s.execute(windows_upsert, windows)
             await s.execute(days_upsert, rows)
+            if windows:
+                # Last: `admit` takes these rows on every request of a key with limits, so
+                # they are held locked for the shortest time.
+                await s.execute(windows_upsert, windows)
 
     @functools.cached_property
     def _usage_upserts(self) -> tuple[Any, Any]:

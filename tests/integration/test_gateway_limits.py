@@ -72,9 +72,9 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
 
 def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_cluster):
     """The sim, like vLLM, reports a stream's usage only when asked. Not asked, the stream
-    counts one completion token per chunk it sent: a client cannot spend tokens past its
-    limit by leaving `stream_options` out. (A daily limit: a minute's could roll over
-    between the stream and the request it must refuse.)"""
+    counts one completion token per chunk it sent, so what it generated counts against the
+    key's token limits (its prompt does not: llmgw has no tokenizer). A daily limit: a
+    minute's could roll over between the stream and the request it must refuse."""
     c = make_cluster()
     c.start_server()
     c.add_agent("node-a")

@@ -289,9 +289,9 @@ async def test_a_piped_stream_that_starts_then_stops_is_cut_at_the_idle_limit():
     got: list[bytes] = []
     pool = Pool(connect_timeout_s=2)
     async with Engine(stall) as engine:
-        answer = await _post(pool, engine.port, first_byte_s=30, idle_s=0.4)
         loop = asyncio.get_running_loop()
         began = loop.time()
+        answer = await _post(pool, engine.port, first_byte_s=30, idle_s=0.4)
         with pytest.raises(UpstreamTimeout) as caught:
             await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
         assert caught.value.phase == "idle" and got == [b"one"]
@@ -494,6 +494,32 @@ async def test_a_full_sink_pauses_reading_until_resumed_and_is_not_idleness():
         assert len(got) == size
         assert all(got[i * 2**16] == i % 251 for i in range(size // 2**16))
         answer.close()
+    await pool.close()
+
+
+async def test_a_connection_paused_as_its_answer_ended_is_read_again_in_the_pool():
+    """The relay's client took no more (it lagged, or left) just as the engine's last chunk
+    and the answer's end came in one read: reading was paused, the answer was whole, the
+    connection went back to the pool. The next request on it must be read."""
+    async def whole(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(whole) as engine:
+        answer = await _post(pool, engine.port)
+        await asyncio.wait_for(answer.pipe(lambda chunk: False), 5)  # full: pause
+        answer.close()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        answer = await _post(pool, engine.port, first_byte_s=3)
+        got: list[bytes] = []
+        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        assert got and b"".join(got) == b"onetwo"
+        assert loop.time() - began < 1
+        answer.close()
+        assert engine.connections == 1  # the same connection, read again
     await pool.close()
 
 

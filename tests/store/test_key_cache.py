@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
+from sqlalchemy import text
+
 from llmgw.server.auth import KeyCache, create_api_key
 from llmgw.server.auth.keys import _checksum, key_id, new_api_key
 from llmgw.store import AccountRecord, ApiKeyRecord, Store
@@ -181,6 +183,14 @@ async def test_a_refresh_sees_a_change_made_elsewhere_and_a_key_deleted(store):
     assert await cache.check(revoked, NOW) == "the API key has been revoked"
     assert await cache.check(owned, NOW) == "the account that owns this API key is disabled"
     assert reads.count == 4  # what the refresh read, not read again
+
+    # A key gone from the store (a backup restored from before it was made, say): the
+    # refresh drops it, and its next request finds it unknown.
+    async with store.engine.begin() as conn:
+        await conn.execute(text("DELETE FROM api_keys WHERE prefix = :p"),
+                           {"p": kept_record.prefix})
+    await cache.refresh()
+    assert await cache.check(kept, NOW) == "the API key is not valid"
 
 
 async def test_a_refresh_that_a_forget_overtakes_is_not_kept(store):

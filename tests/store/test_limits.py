@@ -168,7 +168,7 @@ async def test_a_key_without_limits_costs_no_statement(store: Store) -> None:
     assert seen == []
 
 
-async def test_one_statement_per_admit_and_per_record(store: Store) -> None:
+async def test_one_statement_per_admit_and_two_per_record(store: Store) -> None:
     key = await add_key(store, rpm=10, tpm=10**6, tokens_per_day=10**6,
                         tokens_per_month=10**6)
     with statements(store) as seen:
@@ -176,8 +176,9 @@ async def test_one_statement_per_admit_and_per_record(store: Store) -> None:
     assert len(seen) == 1 and seen[0].startswith("INSERT INTO usage_windows")
     with statements(store) as seen:
         await store.record_usage(key.id, "qwen", 5, 5, T)
+    # The windows last: admit takes their rows, so they stay locked the shortest time.
     assert [s.split("(")[0].strip() for s in seen] == [
-        "INSERT INTO usage_windows", "INSERT INTO usage_days"]
+        "INSERT INTO usage_days", "INSERT INTO usage_windows"]
 
 
 async def test_admit_for_an_unknown_key_fails(store: Store) -> None:

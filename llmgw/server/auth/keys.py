@@ -24,6 +24,8 @@ import msgspec
 from llmgw.store import ApiKeyRecord, Store, StoreError
 
 log = logging.getLogger(__name__)
+# KeyCache.run's shortest period: a tiny auth.key_cache_s must not query in a loop.
+_MIN_REFRESH_S = 0.25
 
 KEY_PREFIX = "llmgw_"
 _ALPHABET = string.digits + string.ascii_letters
@@ -180,12 +182,13 @@ class KeyCache:
 
     async def _read(self, prefix: str) -> _Known | None:
         generation = self._generation
+        until = self._clock() + self._ttl_s  # from before the read: never trusted longer
         try:
             known = await _lookup(self._store, prefix)
         finally:
             del self._reading[prefix]
         if known is not None and self._ttl_s > 0 and generation == self._generation:
-            self._keep(prefix, known, self._clock() + self._ttl_s)
+            self._keep(prefix, known, until)
             self._used.add(prefix)
         return known
 
@@ -205,10 +208,10 @@ class KeyCache:
         if not wanted:
             return
         generation = self._generation
+        until = self._clock() + self._ttl_s  # from before the read: never trusted longer
         found = await self._store.find_api_keys(wanted)
         if generation != self._generation:
             return  # a forget came meanwhile: what was read may be older than it
-        until = self._clock() + self._ttl_s
         for record, owner_enabled in found:
             self._keep(record.prefix, _known(record, owner_enabled), until)
         gone = set(wanted).difference(record.prefix for record, _ in found)
@@ -216,17 +219,19 @@ class KeyCache:
             self._known.pop(prefix, None)
 
     async def run(self) -> None:
-        """``refresh`` every ``ttl_s / 2`` until cancelled (never with a ttl of 0)."""
+        """``refresh`` every ``ttl_s / 2`` (at least every ``_MIN_REFRESH_S``) until
+        cancelled; never with a ttl of 0."""
         if self._ttl_s <= 0:
             return
         while True:
-            await asyncio.sleep(self._ttl_s / 2)
+            await asyncio.sleep(max(self._ttl_s / 2, _MIN_REFRESH_S))
             try:
                 await self.refresh()
-            except StoreError as err:
+            except Exception as err:  # the loop must outlive any one pass
                 # The keys in use then expire as they would without a refresh, and are
                 # read at their next use.
-                log.warning("could not read the API keys in use again: %s", err)
+                log.warning("could not read the API keys in use again: %s", err,
+                            exc_info=not isinstance(err, StoreError))
 
     def forget(self, prefix: str | None = None) -> None:
         """Read the key (every key, without ``prefix``) from the store at its next use."""

@@ -416,6 +416,9 @@ class _Connection(asyncio.Protocol):
             return
         self.answer = None
         if reuse and self._keep_alive and self.usable():
+            # Read whole, but reading may have been paused for a client that left or
+            # lagged as the last chunk came: the next answer on it must be read.
+            self.resume()
             self.pool._put_back(self)
         else:
             self.abort()
