@@ -56,7 +56,7 @@ class BodyWriter:
     which keeps uvicorn's account of the response (keep-alive, the next pipelined
     request)."""
 
-    __slots__ = ("_cycle", "_flow", "_gone", "_held", "_on_gone", "_protocol", "_streaming",
+    __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_streaming",
                  "_transport")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
@@ -71,7 +71,6 @@ class BodyWriter:
         self._flow = cycle.flow
         self._held: _Held | None = None
         self._on_gone: Callable[[], None] | None = None
-        self._gone = False  # the client's connection was lost
         # The response was seen started and chunked: later writes skip asking the cycle.
         self._streaming = False
 
@@ -90,7 +89,6 @@ class BodyWriter:
 
     def _connection_lost(self) -> None:
         self._protocol = None
-        self._gone = True
         callback = self._on_gone
         if callback is not None and self.disconnected:
             self._on_gone = None
@@ -127,9 +125,10 @@ class BodyWriter:
             if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
                 raise RuntimeError("BodyWriter.write outside a started chunked response")
             self._streaming = True
-        if self._gone or self._transport.is_closing():
-            # (Closing: the loss reaches only the connection's latest request, and under
-            # HTTP pipelining that may not be the one writing.)
+        if self._transport.is_closing():
+            # The client is gone (asked of the transport, not of the cycle: a loss reaches
+            # only the connection's latest request, which under HTTP pipelining may not
+            # be the one writing).
             return False
         if self._held is None:
             self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

@@ -334,7 +334,7 @@ class _Recording(asyncio.Transport):
         self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
-        return False
+        return self.closed
 
     def pause_reading(self) -> None:
         pass
@@ -373,6 +373,8 @@ class _Protocol:
         return list(self.transport.writes)
 
     def close(self) -> None:
+        """The client's connection lost, as uvloop reports it: closing, then told."""
+        self.transport.closed = True
         self.protocol.connection_lost(None)
 
 
