@@ -99,7 +99,7 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
         try:
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
-            media_type = _content_type(upstream.headers)
+            media_type = _content_type(upstream.headers) or JSON_TYPE
             if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
                 await _relay(upstream, lease.replica, gateway, send, progress, usage, writer)
             else:
@@ -113,11 +113,12 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
         lease.release()
 
 
-def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    # A loop, not next() over a generator: this runs for every answer.
     for name, value in headers:
         if name == b"content-type":
             return value
-    return JSON_TYPE
+    return None
 
 
 async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
@@ -132,10 +133,7 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
         raise ApiError(502, f"the engine of {replica} broke off its answer: {err}",
                        code="upstream_error") from None
     headers = upstream.headers
-    for name, _ in headers:  # (a loop: any() over a generator costs more, per request)
-        if name == b"content-type":
-            break
-    else:
+    if _content_type(headers) is None:
         headers = [*headers, (b"content-type", JSON_TYPE)]
     progress.started(upstream.status)
     if writer is not None:
