@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import time
 from collections.abc import Callable
 from time import monotonic as _monotonic
 
@@ -163,9 +162,9 @@ class Answer:
     ``pipe()`` (handed on from the connection's callback). ``close()`` ends it early,
     dropping the connection so the engine learns nobody listens."""
 
-    __slots__ = ("_armed", "_chunks", "_conn", "_done", "_error", "_first_by",
-                 "_first_byte_s", "_idle_armed", "_idle_s", "_last", "_queued", "_sink",
-                 "_waiter", "headers", "status")
+    __slots__ = ("_chunks", "_conn", "_done", "_error", "_first_by", "_first_byte_s",
+                 "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "headers",
+                 "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -180,13 +179,14 @@ class Answer:
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        self._armed = False  # a limit runs (the connection's alarm is ours)
-        self._idle_armed = False  # ... and it is the idle limit
+        # The limit the connection's alarm runs for this answer: "first_byte", "idle", or
+        # None for none.
+        self._limit: str | None = None
         # Loop time by which the first byte of the body must have come: the first-byte
         # limit holds until then, not only until the status line (an engine may send
         # that at once and the first token after a long prefill).
         self._first_by = 0.0
-        # When the body last moved (time.monotonic), or 0.0 while none of it has come.
+        # When the body last moved (monotonic seconds), or 0.0 while none of it has come.
         self._last = 0.0
 
     # --- read side ------------------------------------------------------------------------
@@ -225,11 +225,11 @@ class Answer:
         it then sends nothing for the idle limit."""
         if not self._chunks and not self._done and self._error is None:
             if not self._last:
-                if not self._armed:
+                if self._limit is None:
                     self._arm_first()
             elif self._idle_s is not None:
-                self._last = time.monotonic()
-                if not self._idle_armed:
+                self._last = _monotonic()
+                if self._limit != "idle":
                     self._arm(self._idle_s)
             await self._wait()
         if self._chunks:
@@ -262,7 +262,7 @@ class Answer:
             elif not self._last:
                 self._arm_first()
             elif self._idle_s is not None:
-                self._last = time.monotonic()
+                self._last = _monotonic()
                 self._arm(self._idle_s)
             while not self._done and self._error is None:
                 await self._wait()
@@ -299,11 +299,12 @@ class Answer:
 
     def _arm(self, seconds: float) -> None:
         """The idle limit, ``seconds`` from now."""
-        self._armed = self._idle_armed = True
+        self._limit = "idle"
         self._conn.alarm(self._conn.loop.time() + seconds, self._expired)
 
     def _arm_at(self, when: float) -> None:
-        self._armed, self._idle_armed = True, False
+        """The first-byte limit, at loop time ``when``."""
+        self._limit = "first_byte"
         self._conn.alarm(when, self._expired)
 
     def _arm_first(self) -> None:
@@ -316,13 +317,13 @@ class Answer:
         self._arm_at(when)
 
     def _disarm(self) -> None:
-        if self._armed:
-            self._armed = self._idle_armed = False
+        if self._limit is not None:
+            self._limit = None
             if self._conn.answer is self:
                 self._conn.alarm(0.0, None)
 
     def _expired(self) -> None:
-        self._armed = self._idle_armed = False
+        self._limit = None
         if self._done or self._error is not None:
             return
         if self.status:
@@ -336,7 +337,7 @@ class Answer:
                     self._arm_first()
                     return
             elif self._idle_s is not None:
-                idle_for = time.monotonic() - self._last
+                idle_for = _monotonic() - self._last
                 if idle_for < self._idle_s:
                     # Data came since the limit was set: wait out the rest of the period.
                     self._arm(self._idle_s - idle_for)
