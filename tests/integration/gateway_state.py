@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 
 import msgspec
@@ -46,6 +46,31 @@ async def lifespan_only(scope, receive, send) -> None:
         if message["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
     await send({"type": "lifespan.shutdown.complete"})
+
+
+Answer = Callable[[bytes, bytes, asyncio.StreamReader, asyncio.StreamWriter],
+                  Awaitable[bool | None]]
+
+
+def engine_answering(answer: Answer):
+    """An ``asyncio.start_server`` handler for a kept-alive test engine: each request's
+    head and body (read by its content-length) go to ``answer(head, body, reader,
+    writer)``, which writes the answer; it returns False to end the connection."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+                if await answer(head, body, reader, writer) is False:
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return serve
 
 
 @contextlib.asynccontextmanager

@@ -8,30 +8,22 @@ import asyncio
 
 import aiohttp
 
-from tests.integration.gateway_state import gateway_in_process
+from tests.integration.gateway_state import engine_answering, gateway_in_process
 
 MODEL = "answers-model"
 BODY = b'{"choices":[{"message":{"content":"hi"}}]}'
 
 
-async def _engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answers by the path: /typed names its type, /untyped names none; both 201."""
-    try:
-        while head := await reader.readuntil(b"\r\n\r\n"):
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            typed = b"content-type: text/plain\r\n" if b" /v1/typed " in head else b""
-            writer.write(b"HTTP/1.1 201 Created\r\n%bx-engine: dropped\r\n"
-                         b"content-length: %d\r\n\r\n%b" % (typed, len(BODY), BODY))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def _answer(head: bytes, body: bytes, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter) -> None:
+    """By the path: /typed names its type, /untyped names none; both 201."""
+    typed = b"content-type: text/plain\r\n" if b" /v1/typed " in head else b""
+    writer.write(b"HTTP/1.1 201 Created\r\n%bx-engine: dropped\r\n"
+                 b"content-length: %d\r\n\r\n%b" % (typed, len(BODY), BODY))
 
 
 async def test_an_answer_keeps_its_status_body_and_type_and_gets_json_when_it_names_none():
-    async with (gateway_in_process(MODEL, _engine) as port,
+    async with (gateway_in_process(MODEL, engine_answering(_answer)) as port,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http):
         for path, expected in (("untyped", "application/json"), ("typed", "text/plain")):
             async with http.post(f"http://127.0.0.1:{port}/v1/{path}",

@@ -20,7 +20,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai import upstream
 from llmgw.server.openai.router import Lease
-from tests.integration.gateway_state import gateway_in_process
+from tests.integration.gateway_state import engine_answering, gateway_in_process
 
 MODEL = "garbage-model"
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -28,30 +28,22 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 PER_REQUEST = (BodyWriter, RequestResponseCycle, upstream.Answer, Lease)
 
 
-async def _engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A kept-alive engine: a JSON answer, or a stream of three events and a usage one."""
-    try:
-        while head := await reader.readuntil(b"\r\n\r\n"):
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            body = json.loads(await reader.readexactly(length))
-            if body.get("stream"):
-                events = [{"choices": [{"delta": {"content": str(i)}}]} for i in range(3)]
-                events.append({"choices": [], "usage": USAGE})
-                data = b"".join(b"data: %b\n\n" % json.dumps(e).encode() for e in events)
-                data += b"data: [DONE]\n\n"
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
-                             % (len(data), data))
-            else:
-                data = json.dumps({"choices": [{"message": {"content": "hi"}}],
-                                   "usage": USAGE}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%b" % (len(data), data))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def _answer_request(head: bytes, body: bytes, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+    """A JSON answer, or a stream of three events and a usage one."""
+    if json.loads(body).get("stream"):
+        events = [{"choices": [{"delta": {"content": str(i)}}]} for i in range(3)]
+        events.append({"choices": [], "usage": USAGE})
+        data = b"".join(b"data: %b\n\n" % json.dumps(e).encode() for e in events)
+        data += b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+                     % (len(data), data))
+    else:
+        data = json.dumps({"choices": [{"message": {"content": "hi"}}],
+                           "usage": USAGE}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (len(data), data))
 
 
 async def _answer(reader: asyncio.StreamReader) -> bytes:
@@ -77,7 +69,7 @@ def _alive() -> dict[str, int]:
 
 
 async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
-    async with gateway_in_process(MODEL, _engine) as port:
+    async with gateway_in_process(MODEL, engine_answering(_answer_request)) as port:
         gc.collect()
         before = _alive()
         gc.disable()

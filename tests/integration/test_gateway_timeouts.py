@@ -14,36 +14,29 @@ import json
 import aiohttp
 
 from llmgw.config import Gateway
-from tests.integration.gateway_state import gateway_in_process
+from tests.integration.gateway_state import engine_answering, gateway_in_process
 
 MODEL = "prefill-model"
 LIMITS = Gateway(first_byte_timeout_s=1.5, idle_timeout_s=0.3)
 EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
 
 
-async def _engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """The head at once; the body after the body's ``prefill`` seconds, or never if it is
-    negative: a stream of three events, or a JSON answer."""
-    try:
-        while head := await reader.readuntil(b"\r\n\r\n"):
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            body = json.loads(await reader.readexactly(length))
-            stream = body.get("stream", False)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %b\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n"
-                         % (b"text/event-stream" if stream else b"application/json"))
-            await writer.drain()
-            if body["prefill"] < 0:
-                await reader.read()  # not a byte of the body, until the gateway goes
-                return
-            await asyncio.sleep(body["prefill"])
-            data = EVENT * 3 + b"data: [DONE]\n\n" if stream else b'{"choices":[]}'
-            writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+async def _answer(head: bytes, body: bytes, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter) -> bool | None:
+    """The head at once; the body after the request's ``prefill`` seconds, or never if
+    that is negative: a stream of three events, or a JSON answer."""
+    request = json.loads(body)
+    stream = request.get("stream", False)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %b\r\ntransfer-encoding: chunked\r\n\r\n"
+                 % (b"text/event-stream" if stream else b"application/json"))
+    await writer.drain()
+    if request["prefill"] < 0:
+        await reader.read()  # not a byte of the body, until the gateway goes
+        return False
+    await asyncio.sleep(request["prefill"])
+    data = EVENT * 3 + b"data: [DONE]\n\n" if stream else b'{"choices":[]}'
+    writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+    return None
 
 
 async def test_a_slow_first_token_gets_the_first_byte_limit_and_refusals_name_theirs():
@@ -57,7 +50,7 @@ async def test_a_slow_first_token_gets_the_first_byte_limit_and_refusals_name_th
                              ) as resp:
             return resp.status, await resp.read(), loop.time() - began
 
-    async with (gateway_in_process(MODEL, _engine, LIMITS) as port,
+    async with (gateway_in_process(MODEL, engine_answering(_answer), LIMITS) as port,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http):
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         # First token after twice the idle limit, within the first-byte one: whole.
