@@ -283,9 +283,10 @@ class StreamUsage:
 
     Each ``data:`` line is read as one JSON document (as OpenAI-compatible engines write
     them) and only if it mentions ``"usage"``; the last usage seen wins: OpenAI's
-    ``stream_options.include_usage`` chunk, or the last chunk of llama.cpp and vLLM,
-    which carry it. Memory is bounded by `max_line`: a line longer than that is skipped.
-    It also counts the chunks, for `counted`.
+    ``stream_options.include_usage`` chunk (llama.cpp's server, vLLM and SGLang send one
+    when asked), or the running totals of vLLM's continuous usage stats. Memory is bounded
+    by `max_line`: a line longer than that is skipped. It also counts the chunks, for
+    `counted`.
     """
 
     __slots__ = ("_chunks", "_line", "_max_line", "_skipping", "usage")
@@ -321,11 +322,11 @@ class StreamUsage:
     def counted(self) -> Usage | None:
         """The stream is over: what it counts as. The usage the engine reported; failing
         that, one completion token for each chunk it sent (engines stream about a token a
-        chunk, and two or three more chunks of framing) and no prompt tokens: an engine
-        that reports usage only when asked (vLLM, SGLang) and a stream cut short before its
-        usage came (the client left, the engine broke off) still count what they sent, and
-        a client cannot get round a token limit by leaving just before the end. None for a
-        stream that sent nothing."""
+        chunk, and two or three more chunks of framing) and no prompt tokens. So a stream
+        of an engine that reports usage only when asked (llama.cpp, vLLM, SGLang), and one
+        cut short before its usage came (the client left, the engine broke off), still
+        count what they sent: a client cannot get round a token limit by leaving just
+        before the end. None for a stream that sent nothing."""
         found = self.end()
         if found is None and self._chunks:
             return Usage(0, self._chunks)
