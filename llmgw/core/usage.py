@@ -20,8 +20,8 @@ of one minute and again at the start of the next.
 
 from __future__ import annotations
 
+import collections
 import math
-import re
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
@@ -274,50 +274,77 @@ def usage_from_body(body: bytes) -> Usage | None:
     return _from_doc(body)
 
 
-_EOL = re.compile(rb"[\r\n]")
 _USAGE = b'"usage"'
+# What may follow the usage line and still be found: `data: [DONE]` and the like.
+AFTER_USAGE_BYTES = 4096
+# Lines looked at from the end of a stream for the usage, blank and `event:` lines included.
+TAIL_LINES = 16
 
 
 class StreamUsage:
-    """Finds the usage in a server-sent event stream, fed as relayed, split anywhere.
+    """Finds the usage an engine reported in a server-sent event stream, fed as relayed,
+    split anywhere.
 
-    Each ``data:`` line is read as one JSON document (as OpenAI-compatible engines write
-    them) and only if it mentions ``"usage"``; the last usage seen wins: OpenAI's
-    ``stream_options.include_usage`` chunk (llama.cpp's server, vLLM and SGLang send one
-    when asked), or the running totals of vLLM's continuous usage stats. Memory is bounded
-    by `max_line`: a line longer than that is skipped. It also counts the chunks, for
-    `counted`.
+    Engines report it in the stream's last lines: in the last event before `data: [DONE]`
+    (OpenAI's ``stream_options.include_usage``; llama.cpp's server, vLLM and SGLang when
+    asked), as running totals in every event (vLLM's continuous usage stats), or in the
+    Responses API's closing event. So nothing is read while the stream runs: `feed` keeps
+    the stream's tail (at least its last ``max_line + AFTER_USAGE_BYTES`` bytes, at most
+    twice that and a chunk), and `end` reads the last `TAIL_LINES` lines of it, newest
+    first: the first ``data:`` line that mentions ``"usage"`` and holds a usage wins. A line
+    longer than `max_line` is skipped. Feeding a chunk costs the relay an append (OpenAI's
+    own streams, asked for usage, name ``"usage": null`` in every event: read per chunk,
+    each was a JSON document decoded). It also counts the chunks, for `counted`.
     """
 
-    __slots__ = ("_chunks", "_line", "_max_line", "_skipping", "usage")
+    __slots__ = ("_bound", "_dropped", "_max_line", "_size", "_tail")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
-        self._line = bytearray()
-        self._skipping = False  # in a line that grew past max_line, until its end
-        self._chunks = 0
-        self.usage: Usage | None = None
+        self._bound = max_line + AFTER_USAGE_BYTES
+        self._tail: collections.deque[bytes] = collections.deque()
+        self._size = 0  # bytes in _tail
+        self._dropped = 0  # chunks dropped from the front of _tail
 
     def feed(self, chunk: bytes) -> None:
-        self._chunks += 1
-        if not self._line and chunk[-1:] == b"\n" and chunk.rfind(_USAGE) < 0:
-            # Whole lines, none with a usage: nothing to read or keep (most chunks). This
-            # runs for every event of every stream: rfind, not `in`, because on CPython
-            # 3.11 it is twice as quick on such lines (64 against 150 ns for 180 bytes).
-            self._skipping = False
-            return
-        start = 0
-        for match in _EOL.finditer(chunk):
-            self._add(chunk, start, match.start())
-            self._line_done()
-            start = match.end()
-        self._add(chunk, start, len(chunk))
+        self._tail.append(chunk)
+        self._size += len(chunk)
+        if self._size > 2 * self._bound:
+            self._trim()
 
     def end(self) -> Usage | None:
         """The stream is over (a last line without a newline counts); the usage the engine
         reported, or None."""
-        self._line_done()
-        return self.usage
+        # Only the chunks that hold the last TAIL_LINES lines (and no more: this runs at
+        # the end of every stream, and most hold no usage at all).
+        parts, newlines = [], 0
+        for chunk in reversed(self._tail):
+            parts.append(chunk)
+            newlines += chunk.count(b"\n")
+            if newlines > TAIL_LINES:
+                break
+        data = b"".join(reversed(parts))
+        if data.rfind(_USAGE) < 0:
+            return None
+        # Whether ``data`` begins at a line's start: the stream's own start.
+        whole = len(parts) == len(self._tail) and not self._dropped
+        stop = len(data)
+        seen = 0
+        while stop > 0 and seen < TAIL_LINES:
+            # Lines end with LF, CRLF or a lone CR: found by LF (CR is rare, and a search
+            # for one that is not there would go through the whole tail each time).
+            start = data.rfind(b"\n", 0, stop) + 1
+            if start == 0 and not whole:
+                break  # ``data`` begins mid-line: not a whole line
+            for line in reversed(data[start:stop].split(b"\r")):
+                seen += 1
+                if (len(line) <= self._max_line and line.startswith(b"data:")
+                        and line.rfind(_USAGE) >= 0):
+                    found = _from_doc(line[5:])
+                    if found is not None:
+                        return found
+            stop = start - 1
+        return None
 
     def counted(self) -> Usage | None:
         """The stream is over: what it counts as. The usage the engine reported; failing
@@ -328,23 +355,15 @@ class StreamUsage:
         count what they sent: a client cannot get round a token limit by leaving just
         before the end. None for a stream that sent nothing."""
         found = self.end()
-        if found is None and self._chunks:
-            return Usage(0, self._chunks)
+        chunks = self._dropped + len(self._tail)
+        if found is None and chunks:
+            return Usage(0, chunks)
         return found
 
-    def _add(self, chunk: bytes, start: int, stop: int) -> None:
-        if self._skipping or start == stop:
-            return
-        if len(self._line) + (stop - start) > self._max_line:
-            self._line.clear()
-            self._skipping = True
-            return
-        self._line += chunk[start:stop]
-
-    def _line_done(self) -> None:
-        line, self._skipping = self._line, False
-        if line.startswith(b"data:") and line.rfind(_USAGE) >= 0:
-            found = _from_doc(line[5:])
-            if found is not None:
-                self.usage = found
-        line.clear()
+    def _trim(self) -> None:
+        # Down to the shortest end of the stream that holds `_bound` bytes.
+        tail, size = self._tail, self._size
+        while size - len(tail[0]) >= self._bound:
+            size -= len(tail.popleft())
+            self._dropped += 1
+        self._size = size

@@ -41,6 +41,8 @@ HEAD_TIMEOUT_S = 30.0
 GRACEFUL_STOP_S = 10
 # The ASGI extension (``scope["extensions"]``) that offers a request's BodyWriter.
 BODY_WRITER = "llmgw.body_writer"
+# One chunk of a chunked body: its size in hex, the chunk.
+_CHUNK = b"%x\r\n%b\r\n"
 
 
 class BodyWriter:
@@ -131,12 +133,52 @@ class BodyWriter:
             # be the one writing).
             return False
         if self._held is None:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self._transport.write(_CHUNK % (len(chunk), chunk))
         else:
-            self._held.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self._held.parts.append(_CHUNK % (len(chunk), chunk))
             self.release()
         # (A write never loses the connection there and then: uvloop reports it later.)
         return not self._flow.write_paused
+
+    def sink(self, resume: Callable[[], None], on_first: Callable[[], None],
+             tap: Callable[[bytes], None] | None = None) -> Callable[[bytes], bool]:
+        """A function for an upstream ``Answer.pipe`` to hand a stream's chunks to, in the
+        started chunked response: each is given to ``tap`` (if any), then written as
+        ``write`` does. It returns False when the client takes no more for now, and then
+        calls ``resume`` once the client's connection drains. ``on_first`` is called
+        before the first chunk.
+
+        ``write``, unrolled: this runs for every chunk of every stream, and the sink is
+        the one Python call between the engine's socket and the client's."""
+        cycle = self._cycle()
+        if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
+            raise RuntimeError("BodyWriter.sink outside a started chunked response")
+        self._streaming = True
+        transport, flow = self._transport, self._flow
+        write, closing = transport.write, transport.is_closing
+        first = True
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal first
+            if first:
+                first = False
+                on_first()
+                if tap is not None:
+                    tap(chunk)
+                if self.write(chunk):  # it may have a held head to send with it
+                    return True
+            else:
+                if tap is not None:
+                    tap(chunk)
+                if closing():
+                    return False  # the client is gone, as ``write`` says
+                write(_CHUNK % (len(chunk), chunk))
+                if not flow.write_paused:
+                    return True
+            self.when_writable(resume)
+            return False
+
+        return sink
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """After ``write`` said False: call ``callback`` once, when the client's connection

@@ -42,17 +42,20 @@ async def _echo(scope, receive, send, running: _Running) -> None:
     if scope["path"].startswith("/slow/"):  # /slow/SECONDS
         running.slow_started.set()
         await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
-    if scope["path"].startswith("/written/"):  # /written/CHUNKS
-        return await _written(scope, send, int(scope["path"].rsplit("/", 1)[1]), running)
+    if scope["path"].startswith(("/written/", "/sunk/")):  # /written/CHUNKS, /sunk/CHUNKS
+        return await _written(scope, send, int(scope["path"].rsplit("/", 1)[1]), running,
+                              sunk=scope["path"].startswith("/sunk/"))
     body = json.dumps({"client": scope["client"][0], "scheme": scope["scheme"]}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _written(scope, send, chunks: int, running: _Running) -> None:
+async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> None:
     """``chunks`` chunks of CHUNK bytes (chunk i all bytes i % 251) written through the
-    BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full."""
+    BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full:
+    with ``write``, or (``sunk``) through the function ``sink`` makes, as the gateway's
+    relay does, each chunk also handed to a tap (``running.tapped``)."""
     writer = scope["extensions"][BODY_WRITER]
     writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
@@ -64,10 +67,12 @@ async def _written(scope, send, chunks: int, running: _Running) -> None:
         nonlocal written
         while written < chunks:
             written += 1
-            if not writer.write(bytes([(written - 1) % 251]) * CHUNK):
+            chunk = bytes([(written - 1) % 251]) * CHUNK
+            if not (sink(chunk) if sunk else writer.write(chunk)):
                 running.full.set()
                 running.resumed -= 1  # counted back when the writer calls pump again
-                writer.when_writable(resumed)
+                if not sunk:
+                    writer.when_writable(resumed)  # the sink arranged it itself
                 return
         done.set()
 
@@ -75,6 +80,12 @@ async def _written(scope, send, chunks: int, running: _Running) -> None:
         running.resumed += 1
         pump()
 
+    def first() -> None:
+        assert not running.tapped, "on_first after a chunk"
+        running.firsts += 1
+
+    if sunk:
+        sink = writer.sink(resumed, first, running.tapped.append)
     pump()
     await done.wait()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -87,6 +98,8 @@ class _Running:
         self.slow_started = asyncio.Event()
         self.full = asyncio.Event()  # a BodyWriter said the client's connection was full
         self.resumed = 0  # when_writable calls not yet called back, negated
+        self.tapped: list[bytes] = []  # what a sink handed its tap
+        self.firsts = 0  # a sink's on_first calls
 
         async def app(scope, receive, send) -> None:
             await _echo(scope, receive, send, self)
@@ -283,7 +296,8 @@ def _dechunk(data: bytes) -> tuple[list[bytes], bytes]:
         data = data[size + 2:]
 
 
-async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing():
+@pytest.mark.parametrize("way", ["written", "sunk"])
+async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
     chunks = 128  # 8 MiB: well over what the socket buffers between app and client hold
     async with _Running() as running:
         conn = socket.socket()
@@ -291,7 +305,7 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing():
         conn.settimeout(10)
         await asyncio.to_thread(conn.connect, ("127.0.0.1", running.port))
         try:
-            conn.sendall(f"GET /written/{chunks} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            conn.sendall(f"GET /{way}/{chunks} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
             # The client reads nothing yet: the writer must say full, and wait.
             await asyncio.wait_for(running.full.wait(), 10)
             assert running.resumed < 0
@@ -310,6 +324,9 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing():
             assert all(data[i * CHUNK] == i % 251 == data[(i + 1) * CHUNK - 1]
                        for i in range(chunks))
             assert running.resumed == 0  # every wait was called back
+            if way == "sunk":
+                assert running.firsts == 1
+                assert b"".join(running.tapped) == data  # every chunk, in order
             # The response ended through send: the connection is kept for the next one.
             conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             again = await asyncio.to_thread(conn.recv, 65536)
@@ -389,16 +406,24 @@ async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
         seen.append(list(served.transport.writes))  # the head is held: nothing written yet
         if scope["path"] == "/chunk":
             assert writer.write(b"data: 1\n\n")
+        elif scope["path"] == "/sink":
+            sink = writer.sink(lambda: None, lambda: None)
+            assert sink(b"data: 1\n\n")
+            assert sink(b"data: 2\n\n")
         writer.release()  # whatever is still held goes now, once
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     served = _Protocol(app)
-    for path in (b"/chunk", b"/nothing"):
+    for path in (b"/chunk", b"/sink", b"/nothing"):
         writes = await served.request(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
         assert seen.pop() == []
         head, chunked_end = writes[0].split(b"\r\n\r\n", 1), writes[1:]
         assert head[0].startswith(b"HTTP/1.1 200 OK")
-        if path == b"/chunk":
+        if path == b"/sink":
+            assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # the head and the first chunk
+            assert chunked_end[0] == b"9\r\ndata: 2\n\n\r\n"
+            chunked_end = chunked_end[1:]
+        elif path == b"/chunk":
             assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # one write: the head and the chunk
         else:
             assert head[1] == b""  # released: the head alone
@@ -458,10 +483,38 @@ async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_do
     assert writers[1].disconnected and not writers[0].disconnected
     written = len(served.transport.writes)
     assert not writers[1].write(b"data: 2\n\n")  # nobody to write to: nothing written
+    sink = writers[1].sink(lambda: pytest.fail("resumed for nobody"), lambda: None)
+    assert not sink(b"data: 2\n\n")
+    assert not sink(b"data: 3\n\n")
     assert len(served.transport.writes) == written
     finish.set()
     await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)
     assert left == ["/leaves"]
+
+
+async def test_a_sink_is_refused_outside_a_started_chunked_response():
+    refused: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+
+        def try_sink() -> None:
+            try:
+                writer.sink(lambda: None, lambda: None)
+            except RuntimeError as err:
+                refused.append(str(err))
+
+        try_sink()  # before the head
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        try_sink()  # a head with a length: not chunked
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    served = _Protocol(app)
+    writes = await served.request(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert b"".join(writes).endswith(b"\r\n\r\nok")
+    assert refused == ["BodyWriter.sink outside a started chunked response"] * 2
+    served.close()
 
 
 async def test_a_served_request_leaves_no_reference_cycle_behind():

@@ -457,6 +457,40 @@ async def test_a_piped_stream_goes_to_the_sink_from_the_connection_callback():
     await pool.close()
 
 
+async def test_chunks_and_the_end_in_one_read_go_to_the_sink_each_in_order():
+    release = asyncio.Event()
+
+    async def stream(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await release.wait()
+        # Three chunks and the end of the answer in one write, read in one go.
+        writer.write(b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in (1, 2, 3)) + b"0\r\n\r\n")
+        await writer.drain()
+
+    got: list[bytes] = []
+
+    def sink(chunk: bytes) -> bool:
+        got.append(chunk)
+        return len(got) != 2  # full after the second: the third is handed on all the same
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(stream) as engine:
+        answer = await _post(pool, engine.port)
+        piping = asyncio.create_task(answer.pipe(sink))
+        await asyncio.sleep(0)  # the sink is in place before the chunks come
+        release.set()
+        await asyncio.wait_for(piping, 5)
+        assert got == [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
+        answer.close()
+        # Paused as it ended, the connection went back to the pool read again.
+        again = await _post(pool, engine.port)
+        assert await asyncio.wait_for(again.read(), 5) == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
+        again.close()
+        assert engine.connections == 1
+    await pool.close()
+
+
 async def test_a_full_sink_pauses_reading_until_resumed_and_is_not_idleness():
     size = 4 * 2**20
 

@@ -9,7 +9,9 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from llmgw.core.usage import (
+    AFTER_USAGE_BYTES,
     MAX_LINE_BYTES,
+    TAIL_LINES,
     Counts,
     Limits,
     Refusal,
@@ -133,7 +135,6 @@ def test_stream_last_line_without_newline_counts_at_end() -> None:
     stream = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
     reader = StreamUsage()
     reader.feed(stream)
-    assert reader.usage is None  # the line may go on
     assert reader.end() == Usage(1, 1)
 
 
@@ -191,9 +192,46 @@ def test_overlong_line_is_skipped_and_memory_stays_bounded() -> None:
     peak = 0
     for start in range(0, len(stream), 1000):
         reader.feed(stream[start:start + 1000])
-        peak = max(peak, len(reader._line))
+        peak = max(peak, sum(map(len, reader._tail)))
     assert reader.end() == Usage(3, 4)  # the long line's usage was skipped, not misread
-    assert peak <= MAX_LINE_BYTES
+    assert peak <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES) + 1000
+
+
+def test_a_long_stream_keeps_only_its_tail_and_counts_every_chunk() -> None:
+    chunks = [sse(delta(f"t{n}")) for n in range(5000)] + [INCLUDE_USAGE]
+    reader = StreamUsage()
+    for chunk in chunks:
+        reader.feed(chunk)
+    assert sum(map(len, reader._tail)) <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
+    assert reader.counted() == Usage(9, 2)
+    silent = StreamUsage()
+    for chunk in chunks[:-1]:
+        silent.feed(chunk)
+    assert silent.counted() == Usage(0, 5000)  # chunks dropped from the tail still count
+
+
+def test_a_tail_that_begins_mid_line_is_not_read_as_a_line() -> None:
+    # One line, too long to be read, that ends in what looks like a usage event: once the
+    # tail's front is dropped, the tail may begin right at its "data:".
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    line = b"y" * (3 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)) + usage + b"\n\n"
+    reader = StreamUsage()
+    start = len(line) - len(usage) - 2
+    for cut in range(0, start, 4096):
+        reader.feed(line[cut:min(cut + 4096, start)])
+    reader.feed(line[start:])
+    assert reader._dropped  # the front was dropped
+    assert reader.end() is None
+
+
+def test_usage_is_read_from_the_streams_last_lines_only() -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}
+    near = sse(usage, delta("x"), delta("y"))  # some engines send events after it
+    assert feed_in(near, [len(near) // 2]) == Usage(5, 6)
+    crlf = sse(usage, delta("x"), eol=b"\r\n")
+    assert feed_in(crlf, [len(crlf) // 2]) == Usage(5, 6)
+    far = sse(usage, *([delta("x")] * TAIL_LINES))
+    assert feed_in(far, [len(far) // 2]) is None
 
 
 def test_overlong_last_line_gives_nothing() -> None:

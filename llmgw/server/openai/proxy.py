@@ -175,7 +175,8 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     try:
         try:
             if writer is not None:
-                await upstream.pipe(_sink(upstream, writer, progress, reader))
+                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
+                                                reader.feed if reader is not None else None))
             else:
                 await _copy(upstream, send, progress, reader)
         except UpstreamTimeout as err:
@@ -201,27 +202,6 @@ def _silence(replica: str, err: UpstreamTimeout, gateway: Gateway, what: str) ->
                 f"{gateway.first_byte_timeout_s:g} s (gateway.first_byte_timeout_s)")
     return (f"{replica} sent nothing for {gateway.idle_timeout_s:g} s in the middle of "
             f"{what} (gateway.idle_timeout_s)")
-
-
-def _sink(upstream: Answer, writer: BodyWriter, progress: Progress,
-          reader: StreamUsage | None) -> Callable[[bytes], bool]:
-    """What ``Answer.pipe`` hands each chunk to: written to the client as the engine's
-    connection reads it, reading paused while the client's connection is full."""
-    first = True
-
-    def sink(chunk: bytes) -> bool:
-        nonlocal first
-        if first:
-            first = False
-            progress.first_bytes()
-        if reader is not None:
-            reader.feed(chunk)
-        if writer.write(chunk):
-            return True
-        writer.when_writable(upstream.resume)
-        return False
-
-    return sink
 
 
 async def _copy(upstream: Answer, send: Send, progress: Progress,

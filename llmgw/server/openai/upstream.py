@@ -393,6 +393,11 @@ class _Connection(asyncio.Protocol):
         self.answer: Answer | None = None
         self.got_nothing = True
         self._headers: list[tuple[bytes, bytes]] = []
+        # The body's parts, as the parser found them in one read: httptools calls
+        # ``on_body`` for each, here a list's append (C, no Python call per part), and
+        # ``data_received`` hands them on once the read is parsed.
+        self._parts: list[bytes] = []
+        self.on_body = self._parts.append
         self._parser = httptools.HttpResponseParser(self)
         self._lost = False
         self.paused = False
@@ -475,16 +480,34 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_nothing = False
-        if self.answer is None:
+        answer = self.answer
+        if answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
             self.abort()
             return
+        parts = self._parts
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as err:
-            self.answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
-                                            answered=bool(self.answer.status)))
+            parts.clear()
+            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
+                                       answered=bool(answer.status)))
             self.abort()
+            return
+        if parts:
+            # Handed on after the parse, in order; an end of the answer found in the same
+            # read only wakes its reader, which runs after this.
+            answer._last = _monotonic()
+            sink = answer._sink
+            if sink is None:
+                for part in parts:
+                    answer._queue(part)
+            else:
+                # This runs for every chunk of every stream: one call per part.
+                for part in parts:
+                    if not sink(part):
+                        self.pause()
+            parts.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -517,17 +540,6 @@ class _Connection(asyncio.Protocol):
         # Neither a length nor chunks: the body runs to the end of the connection.
         self._until_eof = not self._framed
         self.answer._head(parser.get_status_code(), self._headers)
-
-    def on_body(self, body: bytes) -> None:
-        # To the pipe sink with no call between: this runs for every chunk of every stream.
-        answer = self.answer
-        answer._last = _monotonic()
-        sink = answer._sink
-        if sink is not None:
-            if not sink(body):
-                self.pause()
-            return
-        answer._queue(body)
 
     def on_message_complete(self) -> None:
         self.answer._complete()
