@@ -217,11 +217,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     Each request is offered a BodyWriter (above).
 
-    It overrides parser callbacks and seven methods of uvicorn 0.54's protocol (pinned in
-    pyproject.toml): ``data_received``, ``send_400_response``, which it calls on a parser
-    error, ``shutdown``, ``resume_writing``, the connection callbacks, and (to time the
-    keep-alive limit with one timer per connection) ``on_response_complete`` and
-    ``_unset_keepalive_if_required``; BodyWriter reads
+    It overrides parser callbacks (``on_header`` whole) and seven methods of uvicorn 0.54's
+    protocol (pinned in pyproject.toml): ``data_received``, ``send_400_response``, which it
+    calls on a parser error, ``shutdown``, ``resume_writing``, the connection callbacks, and
+    (to time the keep-alive limit with one timer per connection) ``on_response_complete``
+    and ``_unset_keepalive_if_required``; BodyWriter reads
     its request cycle's response state and writes as its ``send`` does.
     tests/integration/test_http_server.py fails if an upgrade changes them."""
 
@@ -275,8 +275,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)
-        super().on_header(name, value)
+        # uvicorn's, with the count: one call per header line, not three (a request has
+        # ten or so).
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._count(0)  # refuses
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -373,18 +380,35 @@ def _refusal(status: bytes, reason: str) -> bytes:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, stopped by ``llmgw server``'s own signal handlers (``stop``)."""
+    """uvicorn's server, stopped by ``llmgw server``'s own signal handlers (``stop``).
+
+    And woken once a second while it serves, not ten times: uvicorn's ``main_loop`` wakes
+    every 0.1 s to see whether it should stop, which is most of an idle server's CPU.
+    Here ``stop`` wakes it, and the second's tick keeps the ``date`` header current and
+    notices a stop asked for some other way (uvicorn's own ``should_exit``)."""
+
+    _wake: asyncio.Event | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn would take SIGINT/SIGTERM and raise them again once stopped.
         yield
 
+    async def main_loop(self) -> None:
+        self._wake = asyncio.Event()
+        # on_tick with a count of 0 sets the date header, then says whether to stop.
+        while not await self.on_tick(0):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+
     def stop(self) -> None:
         """Stop taking requests and finish those in flight; a second call stops at once."""
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
+        if self._wake is not None:
+            self._wake.set()
 
 
 def _tls_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:

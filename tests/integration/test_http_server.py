@@ -159,6 +159,24 @@ async def test_a_head_over_the_limit_is_refused_with_431_and_a_reason():
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
+async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body():
+    def exchange(port: int) -> tuple[bytes, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"POST / HTTP/1.1\r\nhost: x\r\nExpect: 100-Continue\r\n"
+                         b"content-length: 2\r\nconnection: close\r\n\r\n")
+            interim = conn.recv(65536)  # before the body is sent
+            conn.sendall(b"{}")
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+            return interim, answer
+
+    async with _Running() as running:
+        interim, answer = await asyncio.to_thread(exchange, running.port)
+    assert interim.startswith(b"HTTP/1.1 100 Continue\r\n"), interim
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
 def _silent_then_read(port: int, request: bytes, served: bytes = b"") -> tuple[bytes, float]:
     """Send ``served`` (a whole request) and read its answer, then send ``request`` (a head
     left unfinished, or nothing) and read until the server closes: what it said to that,
@@ -243,6 +261,29 @@ async def test_stop_lets_a_request_in_flight_finish():
         assert resp.status == 200  # finished although the server was stopping
         await resp.release()
         await asyncio.wait_for(running.task, 15)
+
+
+async def test_an_idle_server_ticks_once_a_second_and_a_stop_wakes_it_at_once():
+    running = _Running()
+    ticks: list[float] = []
+    ticked = asyncio.Event()
+    on_tick = running.server.on_tick
+
+    async def counted(counter: int) -> bool:
+        ticks.append(asyncio.get_running_loop().time())
+        ticked.set()
+        return await on_tick(counter)
+
+    running.server.on_tick = counted
+    async with running:
+        await asyncio.sleep(2.2)
+        # uvicorn's own loop ticks ten times a second (22 here): an idle server's CPU.
+        assert 2 <= len(ticks) <= 4, ticks
+        ticked.clear()
+        await asyncio.wait_for(ticked.wait(), 2)
+        # Just after a tick: without a wake, the stop would wait out the second.
+        running.server.stop()
+        await asyncio.wait_for(running.task, 0.8)
 
 
 async def test_a_second_stop_does_not_wait_for_requests_in_flight():

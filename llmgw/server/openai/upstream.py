@@ -499,15 +499,17 @@ class _Connection(asyncio.Protocol):
             # read only wakes its reader, which runs after this.
             answer._last = _monotonic()
             sink = answer._sink
-            if sink is None:
-                for part in parts:
-                    answer._queue(part)
-            else:
-                # This runs for every chunk of every stream: one call per part.
-                for part in parts:
-                    if not sink(part):
-                        self.pause()
-            parts.clear()
+            try:
+                if sink is None:
+                    for part in parts:
+                        answer._queue(part)
+                else:
+                    # This runs for every chunk of every stream: one call per part.
+                    for part in parts:
+                        if not sink(part):
+                            self.pause()
+            finally:
+                parts.clear()  # never handed on twice, whatever a sink does
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
