@@ -3,10 +3,11 @@
 Two halves:
 
 - Reading what an engine says it used: `usage_from_body` for an answer read whole,
-  `StreamUsage` for a stream relayed chunk by chunk. The stream reader keeps only the
-  line it is in the middle of, capped at `MAX_LINE_BYTES`, so a long stream costs no more
-  memory than a short one; a longer line is skipped (an answer's final usage chunk is a
-  few hundred bytes).
+  `StreamUsage` for a stream relayed chunk by chunk. The stream reader keeps the stream's
+  tail (from `MAX_LINE_BYTES` and a little more to twice that, and a chunk), so a long
+  stream costs a bounded amount of memory, and reads the usage from its last lines once
+  it is over; a line longer than `MAX_LINE_BYTES` is skipped (an answer's final usage
+  chunk is a few hundred bytes).
 - Judging a key's limits: the store counts requests and tokens in fixed UTC windows (a
   minute, a day, a month) and hands the counts here; `judge` says whether the request
   may go on, and if not, which limit refused it and for how long (`Refusal`). Tokens are
@@ -316,16 +317,43 @@ class StreamUsage:
         """The stream is over (a last line without a newline counts); the usage the engine
         reported, or None."""
         # Only the chunks that hold the last TAIL_LINES lines (and no more: this runs at
-        # the end of every stream, and most hold no usage at all).
+        # the end of every stream, and most hold no usage at all). Lines end with LF,
+        # CRLF or a lone CR.
         parts, newlines = [], 0
         for chunk in reversed(self._tail):
             parts.append(chunk)
-            newlines += chunk.count(b"\n")
+            newlines += max(chunk.count(b"\n"), chunk.count(b"\r"))
             if newlines > TAIL_LINES:
                 break
         data = b"".join(reversed(parts))
         if data.rfind(_USAGE) < 0:
             return None
+        # Whether ``data`` begins at a line's start: the stream's own start.
+        whole = len(parts) == len(self._tail) and not self._dropped
+        stop = len(data)
+        seen = 0
+        while seen < TAIL_LINES:
+            # Found by LF, then split at CR (a search for a CR that is not there would go
+            # through the whole tail for each line).
+            start = data.rfind(b"\n", 0, stop) + 1
+            lines = data[start:stop].split(b"\r")
+            if len(lines) > 1 and not lines[-1]:
+                lines.pop()  # the CR of a CRLF: not a line of its own
+            if start == 0 and not whole:
+                del lines[0]  # ``data`` begins mid-line: not a whole line
+            for line in reversed(lines):
+                if (len(line) <= self._max_line and line.startswith(b"data:")
+                        and line.rfind(_USAGE) >= 0):
+                    found = _from_doc(line[5:])
+                    if found is not None:
+                        return found
+                seen += 1
+                if seen == TAIL_LINES:
+                    break
+            if start == 0:
+                break
+            stop = start - 1
+        return None
         # Whether ``data`` begins at a line's start: the stream's own start.
         whole = len(parts) == len(self._tail) and not self._dropped
         stop = len(data)

@@ -595,6 +595,35 @@ async def test_an_answer_that_is_not_http_is_an_error():
     await pool.close()
 
 
+async def test_bytes_after_a_whole_answer_lose_none_of_it_and_the_connection():
+    async def trailing(reader, writer, n):
+        # A whole answer and bytes that are no answer, read in one go: an error after
+        # the answer's end, in the same read as its body.
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloXYZ")
+        await writer.drain()
+
+    async def stream_then_trailing(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the sink is in place
+        writer.write(b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\nXYZ")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(trailing) as engine:
+        answer = await _post(pool, engine.port)
+        assert await asyncio.wait_for(answer.read(), 5) == b"hello"
+        answer.close()
+        assert not any(pool._idle.values())  # that connection is not kept
+    async with Engine(stream_then_trailing) as engine:
+        answer = await _post(pool, engine.port)
+        got: list[bytes] = []
+        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        assert got == [b"data: 1\n\n", b"data: 2\n\n"]
+        answer.close()
+    await pool.close()
+
+
 async def test_a_refused_connection_says_where():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -228,10 +228,22 @@ def test_usage_is_read_from_the_streams_last_lines_only() -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}
     near = sse(usage, delta("x"), delta("y"))  # some engines send events after it
     assert feed_in(near, [len(near) // 2]) == Usage(5, 6)
-    crlf = sse(usage, delta("x"), eol=b"\r\n")
+    # A CRLF ends one line, not two: three events after it are well within the window.
+    crlf = sse(usage, delta("x"), delta("y"), delta("z"), eol=b"\r\n")
     assert feed_in(crlf, [len(crlf) // 2]) == Usage(5, 6)
     far = sse(usage, *([delta("x")] * TAIL_LINES))
     assert feed_in(far, [len(far) // 2]) is None
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
+def test_a_long_stream_with_any_line_ending_finds_its_usage(eol: bytes) -> None:
+    reader = StreamUsage()
+    for n in range(3000):  # more than the tail keeps
+        reader.feed(sse(delta(f"t{n}"), done=False, eol=eol))
+    reader.feed(sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3000}},
+                    eol=eol))
+    assert reader._dropped
+    assert reader.counted() == Usage(7, 3000)
 
 
 def test_overlong_last_line_gives_nothing() -> None:

@@ -486,17 +486,16 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         parts = self._parts
+        error = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as err:
-            parts.clear()
-            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
-                                       answered=bool(answer.status)))
-            self.abort()
-            return
+            error = err
         if parts:
-            # Handed on after the parse, in order; an end of the answer found in the same
-            # read only wakes its reader, which runs after this.
+            # Handed on after the parse, in order, and before an error the parse ended in
+            # (bytes after a whole answer are the connection's fault, not the answer's);
+            # an end of the answer found in the same read only wakes its reader, which
+            # runs after this.
             answer._last = _monotonic()
             sink = answer._sink
             try:
@@ -510,6 +509,10 @@ class _Connection(asyncio.Protocol):
                             self.pause()
             finally:
                 parts.clear()  # never handed on twice, whatever a sink does
+        if error is not None:
+            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {error}",
+                                       answered=bool(answer.status)))
+            self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
