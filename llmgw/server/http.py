@@ -279,7 +279,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # ten or so).
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._count(0)  # refuses
+            self._head_too_large()
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
@@ -350,12 +350,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def _count(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_refused = _refusal(
-                b"431 Request Header Fields Too Large",
-                f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
-                "send fewer or shorter headers")
-            # Stops the parser; data_received answers through send_400_response below.
-            raise httptools.HttpParserCallbackError("request head too large")
+            self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        self._head_refused = _refusal(
+            b"431 Request Header Fields Too Large",
+            f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
+            "send fewer or shorter headers")
+        # Stops the parser; data_received answers through send_400_response below.
+        raise httptools.HttpParserCallbackError("request head too large")
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
