@@ -275,17 +275,19 @@ def up(args: argparse.Namespace) -> int:
             lambda: _spawn("agent", agent_path, logs / "agent.log"),
             args.timeout, model_name))
         server, agent = procs
-        console.print(f"[bold green]llmgw is up[/]: {model_name} is ready\n")
-        console.print(f"  OpenAI base URL  {base}/v1")
-        console.print(f"  API key          {key}", soft_wrap=True)
-        console.print(f"  admin token      {admin_token}", soft_wrap=True)
-        console.print(f"  logs             {logs}/\n")
+        # One print, so one write: whoever reads the output as it comes (a script, a
+        # test) never finds the banner half written.
         console.print(
+            f"[bold green]llmgw is up[/]: {model_name} is ready\n\n"
+            f"  OpenAI base URL  {base}/v1\n"
+            f"  API key          {key}\n"
+            f"  admin token      {admin_token}\n"
+            f"  logs             {logs}/\n\n"
             f"  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' \\\n"
             f"    -H 'content-type: application/json' \\\n"
             f"    -d '{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\","
-            f"\"content\":\"Hello\"}}]}}'\n", soft_wrap=True)
-        console.print("Ctrl-C stops everything.")
+            f"\"content\":\"Hello\"}}]}}'\n\n"
+            "Ctrl-C stops everything.", soft_wrap=True)
         while server.poll() is None and agent.poll() is None:
             time.sleep(0.5)
         dead = server if server.poll() is not None else agent

@@ -35,7 +35,10 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path, llama_cp
         )
     watched: list[psutil.Process] = []
     try:
-        wait_for(lambda: "llmgw is up" in out_path.read_text(), 60, "`llmgw up` to say it is up")
+        # The banner's last line: read before it, the banner may be half written.
+        wait_for(lambda: "Ctrl-C stops everything" in out_path.read_text(), 60,
+                 "`llmgw up` to say it is up")
+        assert "llmgw is up" in out_path.read_text()
         printed = out_path.read_text()
         key = (state / "server" / "secrets" / "up-api-key").read_text().strip()
         assert key in printed and f"http://127.0.0.1:{port}/v1" in printed
