@@ -44,7 +44,6 @@ _DAY_KEY = [UsageDayRow.key_id, UsageDayRow.day, UsageDayRow.model]
 _MAX_TOKENS = 2**53
 
 
-
 class UsageMixin:
     """Limits and usage; mixed into `Store`, which provides these."""
 

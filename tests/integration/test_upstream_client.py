@@ -479,6 +479,7 @@ async def test_chunks_and_the_end_in_one_read_go_to_the_sink_each_in_order():
         answer = await _post(pool, engine.port)
         piping = asyncio.create_task(answer.pipe(sink))
         await asyncio.sleep(0)  # the sink is in place before the chunks come
+        assert answer._sink is not None
         release.set()
         await asyncio.wait_for(piping, 5)
         assert got == [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
@@ -602,10 +603,12 @@ async def test_bytes_after_a_whole_answer_lose_none_of_it_and_the_connection():
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloXYZ")
         await writer.drain()
 
+    release = asyncio.Event()
+
     async def stream_then_trailing(reader, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.05)  # the sink is in place
+        await release.wait()  # the sink is in place
         writer.write(b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\nXYZ")
         await writer.drain()
 
@@ -618,7 +621,11 @@ async def test_bytes_after_a_whole_answer_lose_none_of_it_and_the_connection():
     async with Engine(stream_then_trailing) as engine:
         answer = await _post(pool, engine.port)
         got: list[bytes] = []
-        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        piping = asyncio.create_task(answer.pipe(lambda chunk: got.append(chunk) is None))
+        await asyncio.sleep(0)  # pipe's first step: the sink is set before it waits
+        assert answer._sink is not None
+        release.set()
+        await asyncio.wait_for(piping, 5)
         assert got == [b"data: 1\n\n", b"data: 2\n\n"]
         answer.close()
     await pool.close()
