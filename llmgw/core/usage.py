@@ -354,25 +354,6 @@ class StreamUsage:
                 break
             stop = start - 1
         return None
-        # Whether ``data`` begins at a line's start: the stream's own start.
-        whole = len(parts) == len(self._tail) and not self._dropped
-        stop = len(data)
-        seen = 0
-        while stop > 0 and seen < TAIL_LINES:
-            # Lines end with LF, CRLF or a lone CR: found by LF (CR is rare, and a search
-            # for one that is not there would go through the whole tail each time).
-            start = data.rfind(b"\n", 0, stop) + 1
-            if start == 0 and not whole:
-                break  # ``data`` begins mid-line: not a whole line
-            for line in reversed(data[start:stop].split(b"\r")):
-                seen += 1
-                if (len(line) <= self._max_line and line.startswith(b"data:")
-                        and line.rfind(_USAGE) >= 0):
-                    found = _from_doc(line[5:])
-                    if found is not None:
-                        return found
-            stop = start - 1
-        return None
 
     def counted(self) -> Usage | None:
         """The stream is over: what it counts as. The usage the engine reported; failing
