@@ -259,7 +259,6 @@ async def test_many_keys_and_models_are_recorded_by_two_statements(store: Store)
     with statements(store) as seen:  # again: added to what is there
         await store.record_usages(entries[:2], T)
     assert len(seen) == 1  # keys[0] used no tokens: no windows to write
-    assert usage[keys[0].id, "qwen"].requests == 2
     assert [u.requests for u in await store.list_usage(keys[0].id)] == [4, 4]
 
 

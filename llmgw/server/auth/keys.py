@@ -138,9 +138,10 @@ class KeyCache:
     sharing the store takes effect here within ``ttl_s``. Only keys the store has are
     kept, so made-up keys cannot fill it; their every request reads the store, as before.
 
-    ``run`` reads again, every ``ttl_s / 2`` and in one query, every key used since it
-    last did, and drops the keys not used: a key in use never expires, so its requests
-    never wait for a read, and many keys in use cost a query, not one each.
+    ``run`` reads again, every ``ttl_s / 2`` and in a query per 500 keys, every key used
+    since it last did, and drops the keys not used: a key in use never expires (for a ttl
+    of at least twice ``_MIN_REFRESH_S``), so its requests never wait for a read, and many
+    keys in use cost a query per 500, not one each.
     """
 
     def __init__(self, store: Store, ttl_s: float, max_keys: int = 100_000,
@@ -219,7 +220,7 @@ class KeyCache:
             self._known.pop(prefix, None)
 
     async def run(self) -> None:
-        """``refresh`` every ``ttl_s / 2`` (at least every ``_MIN_REFRESH_S``) until
+        """``refresh`` every ``ttl_s / 2`` (at most once every ``_MIN_REFRESH_S``) until
         cancelled; never with a ttl of 0."""
         if self._ttl_s <= 0:
             return

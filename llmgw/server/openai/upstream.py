@@ -82,8 +82,9 @@ class Pool:
                    *, first_byte_timeout_s: float, idle_timeout_s: float | None,
                    content_type: bytes = JSON_TYPE) -> Answer:
         """Send the request and wait for the answer's status and headers (under
-        ``first_byte_timeout_s``); the body is read from the returned Answer, each read
-        under ``idle_timeout_s`` when given."""
+        ``first_byte_timeout_s``); the body is read from the returned Answer, its first
+        byte still under ``first_byte_timeout_s``, each wait for more after that under
+        ``idle_timeout_s`` when given."""
         head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
                          _host_header(host, port),
                          b"\r\ncontent-type: ", content_type, b"\r\naccept: ", accept,
