@@ -4,7 +4,7 @@ Two halves:
 
 - Reading what an engine says it used: `usage_from_body` for an answer read whole,
   `StreamUsage` for a stream relayed chunk by chunk. The stream reader keeps the stream's
-  tail (from `MAX_LINE_BYTES` and a little more to twice that, and a chunk), so a long
+  tail (from `MAX_LINE_BYTES` and a little more to twice that, and a read), so a long
   stream costs a bounded amount of memory, and reads the usage from its last lines once
   it is over; a line longer than `MAX_LINE_BYTES` is skipped (an answer's final usage
   chunk is a few hundred bytes).
@@ -21,7 +21,6 @@ of one minute and again at the start of the next.
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, fields
@@ -276,6 +275,9 @@ def usage_from_body(body: bytes) -> Usage | None:
 
 
 _USAGE = b'"usage"'
+# An event's line, and after a newline (the stream's first has none before it).
+_FIRST_EVENT = b"data:"
+_EVENT = b"\n" + _FIRST_EVENT
 # What may follow the usage line and still be found: `data: [DONE]` and the like.
 AFTER_USAGE_BYTES = 4096
 # Lines looked at from the end of a stream for the usage, blank and `event:` lines included.
@@ -284,95 +286,111 @@ TAIL_LINES = 16
 
 class StreamUsage:
     """Finds the usage an engine reported in a server-sent event stream, fed as relayed,
-    split anywhere.
+    split anywhere; and counts the stream's events.
 
     Engines report it in the stream's last lines: in the last event before `data: [DONE]`
     (OpenAI's ``stream_options.include_usage``; llama.cpp's server, vLLM and SGLang when
     asked), as running totals in every event (vLLM's continuous usage stats), or in the
-    Responses API's closing event. So nothing is read while the stream runs: `feed` keeps
-    the stream's tail (at least its last ``max_line + AFTER_USAGE_BYTES`` bytes, at most
-    twice that and a chunk), and `end` reads the last `TAIL_LINES` lines of it, newest
-    first: the first ``data:`` line that mentions ``"usage"`` and holds a usage wins. A line
-    longer than `max_line` is skipped. Feeding a chunk costs the relay an append (OpenAI's
-    own streams, asked for usage, name ``"usage": null`` in every event: read per chunk,
-    each was a JSON document decoded). It also counts the chunks, for `counted`.
+    Responses API's closing event. So nothing is read while the stream runs: the stream's
+    bytes are appended to `tail`, which `trim` cuts back to its last ``max_line +
+    AFTER_USAGE_BYTES`` bytes once it is longer than `limit` (twice that), and `end` looks
+    in the last `TAIL_LINES` lines of it, newest first: the first ``data:`` line that
+    mentions ``"usage"`` and holds a usage wins. A line longer than `max_line` is skipped.
+    (OpenAI's own streams, asked for usage, name ``"usage": null`` in every event: read
+    per chunk, each was a JSON document decoded.)
+
+    A relay may append to `tail` itself and call `trim` when it is longer than `limit`,
+    as `feed` does (llmgw's BodyWriter sink does: no Python call per read).
     """
 
-    __slots__ = ("_bound", "_dropped", "_max_line", "_size", "_tail")
+    __slots__ = ("_bound", "_cut", "_events", "_max_line", "limit", "tail")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
         self._bound = max_line + AFTER_USAGE_BYTES
-        self._tail: collections.deque[bytes] = collections.deque()
-        self._size = 0  # bytes in _tail
-        self._dropped = 0  # chunks dropped from the front of _tail
+        self.limit = 2 * self._bound
+        self.tail = bytearray()
+        self._cut = False  # the front of the stream was dropped from `tail`
+        self._events = 0  # events in what was dropped
 
-    def feed(self, chunk: bytes) -> None:
-        self._tail.append(chunk)
-        self._size += len(chunk)
-        if self._size > 2 * self._bound:
-            self._trim()
+    def feed(self, chunks: list[bytes]) -> None:
+        """The stream's next chunks, in order (a list: what one read brought)."""
+        extend = self.tail.extend
+        for chunk in chunks:
+            extend(chunk)
+        if len(self.tail) > self.limit:
+            self.trim()
+
+    def trim(self) -> None:
+        """Drop the front of `tail` down to its last ``max_line + AFTER_USAGE_BYTES``
+        bytes, counting the events dropped."""
+        tail = self.tail
+        cut = len(tail) - self._bound
+        if cut <= 0:
+            return
+        # Not through an event's start: it is counted where it is kept.
+        at = tail.find(_EVENT, max(0, cut - len(_EVENT) + 1), cut + len(_EVENT) - 1)
+        if 0 <= at < cut:
+            cut = at
+        self._events += tail.count(_EVENT, 0, cut)
+        if not self._cut:
+            self._cut = True
+            self._events += tail.startswith(_FIRST_EVENT)
+        del tail[:cut]
+
+    def events(self) -> int:
+        """The ``data:`` lines the stream has had (an event is one, as engines write them)."""
+        tail = self.tail
+        return self._events + tail.count(_EVENT) + (
+            not self._cut and tail.startswith(_FIRST_EVENT))
 
     def end(self) -> Usage | None:
         """The stream is over (a last line without a newline counts); the usage the engine
         reported, or None."""
-        # Only the chunks that hold the last TAIL_LINES lines (and no more: this runs at
-        # the end of every stream, and most hold no usage at all). Lines end with LF,
-        # CRLF or a lone CR.
-        parts, newlines = [], 0
-        for chunk in reversed(self._tail):
-            parts.append(chunk)
-            newlines += max(chunk.count(b"\n"), chunk.count(b"\r"))
-            if newlines > TAIL_LINES:
-                break
-        data = b"".join(reversed(parts))
-        if data.rfind(_USAGE) < 0:
-            return None
-        # Whether ``data`` begins at a line's start: the stream's own start.
-        whole = len(parts) == len(self._tail) and not self._dropped
-        stop = len(data)
-        seen = 0
-        while seen < TAIL_LINES:
-            # Found by LF, then split at CR (a search for a CR that is not there would go
-            # through the whole tail for each line).
-            start = data.rfind(b"\n", 0, stop) + 1
-            lines = data[start:stop].split(b"\r")
-            if len(lines) > 1 and not lines[-1]:
-                lines.pop()  # the CR of a CRLF: not a line of its own
-            if start == 0 and not whole:
-                del lines[0]  # ``data`` begins mid-line: not a whole line
-            for line in reversed(lines):
-                if (len(line) <= self._max_line and line.startswith(b"data:")
-                        and line.rfind(_USAGE) >= 0):
+        # Found by its key, then judged by its line: this runs at the end of every stream,
+        # most of which hold no usage at all. Lines end with LF, CRLF or a lone CR.
+        data = self.tail
+        at = data.rfind(_USAGE)
+        while at >= 0:
+            end = _line_end(data, at)
+            if max(data.count(b"\n", end), data.count(b"\r", end)) >= TAIL_LINES:
+                return None  # not among the last lines
+            start = _line_start(data, at)
+            if start or not self._cut:  # the first line of a cut tail is not whole
+                line = data[start:end]
+                if len(line) <= self._max_line and line.startswith(_FIRST_EVENT):
                     found = _from_doc(line[5:])
                     if found is not None:
                         return found
-                seen += 1
-                if seen == TAIL_LINES:
-                    break
-            if start == 0:
-                break
-            stop = start - 1
+            at = data.rfind(_USAGE, 0, start)
         return None
 
     def counted(self) -> Usage | None:
         """The stream is over: what it counts as. The usage the engine reported; failing
-        that, one completion token for each chunk it sent (engines stream about a token a
-        chunk, and two or three more chunks of framing) and no prompt tokens. So a stream
-        of an engine that reports usage only when asked (llama.cpp, vLLM, SGLang), and one
-        cut short before its usage came (the client left, the engine broke off), still
-        count what they sent: a client cannot get round a token limit by leaving just
-        before the end. None for a stream that sent nothing."""
+        that, one completion token for each event it sent (engines stream about a token
+        an event, and two or three more events of framing) and no prompt tokens. So a
+        stream of an engine that reports usage only when asked (llama.cpp, vLLM, SGLang),
+        and one cut short before its usage came (the client left, the engine broke off),
+        still count what they sent: a client cannot get round a token limit by leaving
+        just before the end. None for a stream that sent no event."""
         found = self.end()
-        chunks = self._dropped + len(self._tail)
-        if found is None and chunks:
-            return Usage(0, chunks)
+        if found is None:
+            events = self.events()
+            if events:
+                return Usage(0, events)
         return found
 
-    def _trim(self) -> None:
-        # Down to the shortest end of the stream that holds `_bound` bytes.
-        tail, size = self._tail, self._size
-        while size - len(tail[0]) >= self._bound:
-            size -= len(tail.popleft())
-            self._dropped += 1
-        self._size = size
+
+def _line_end(data: bytearray, at: int) -> int:
+    """Where the line holding ``data[at]`` ends: at its LF or CR, or the end of ``data``."""
+    lf = data.find(b"\n", at)
+    if lf < 0:
+        lf = len(data)
+    cr = data.find(b"\r", at, lf)  # only up to the LF: most streams have no CR at all
+    return lf if cr < 0 else cr
+
+
+def _line_start(data: bytearray, at: int) -> int:
+    """Where the line holding ``data[at]`` begins."""
+    lf = data.rfind(b"\n", 0, at) + 1
+    return max(lf, data.rfind(b"\r", lf, at) + 1)

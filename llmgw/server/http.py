@@ -27,7 +27,7 @@ import ssl
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import uvicorn
@@ -43,6 +43,26 @@ GRACEFUL_STOP_S = 10
 BODY_WRITER = "llmgw.body_writer"
 # One chunk of a chunked body: its size in hex, the chunk.
 _CHUNK = b"%x\r\n%b\r\n"
+
+
+class Tail(Protocol):
+    """Keeps the last bytes of a stream that a BodyWriter sink writes (the gateway's is
+    ``llmgw.core.usage.StreamUsage``). ``feed`` takes a list of chunks; for the usual read
+    of one chunk, the sink does what ``feed`` does itself, without the Python call:
+    appends it to ``tail``, and calls ``trim`` when ``tail`` is longer than ``limit``.
+    ``tail`` stays the same bytearray throughout: ``trim`` cuts it in place."""
+
+    tail: bytearray
+    limit: int
+
+    def feed(self, chunks: list[bytes]) -> None: ...
+
+    def trim(self) -> None: ...
+
+
+def _framed(chunks: list[bytes]) -> bytes:
+    """``chunks`` as chunks of a chunked body, in one bytes."""
+    return b"".join([_CHUNK % (len(chunk), chunk) for chunk in chunks])
 
 
 class BodyWriter:
@@ -120,6 +140,10 @@ class BodyWriter:
         """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
         no more for now: its connection's buffer is full (``when_writable`` says when it
         drains) or it is gone (the app learns that from ``receive``)."""
+        return self._write_framed(_CHUNK % (len(chunk), chunk))
+
+    def _write_framed(self, data: bytes) -> bool:
+        """``write`` of bytes already framed as chunks."""
         if not self._streaming:
             # Once per response (the cycle is asked here, not per chunk: this runs for
             # every chunk of every stream).
@@ -133,46 +157,62 @@ class BodyWriter:
             # be the one writing).
             return False
         if self._held is None:
-            self._transport.write(_CHUNK % (len(chunk), chunk))
+            self._transport.write(data)
         else:
-            self._held.parts.append(_CHUNK % (len(chunk), chunk))
+            self._held.parts.append(data)
             self.release()
         # (A write never loses the connection there and then: uvloop reports it later.)
         return not self._flow.write_paused
 
     def sink(self, resume: Callable[[], None], on_first: Callable[[], None],
-             tap: Callable[[bytes], None] | None = None) -> Callable[[bytes], bool]:
+             keep: Tail | None = None) -> Callable[[list[bytes]], bool]:
         """A function for an upstream ``Answer.pipe`` to hand a stream's chunks to, in the
-        started chunked response: each is given to ``tap`` (if any), then written as
-        ``write`` does. It returns False when the client takes no more for now, and then
-        calls ``resume`` once the client's connection drains. ``on_first`` is called
-        before the first chunk.
+        started chunked response, a list at a time (what one read from the engine
+        brought): they are appended to ``keep`` (if given), then written as ``write``
+        does, all in one write. It returns False when the client takes no more for now,
+        and then calls ``resume`` once the client's connection drains. ``on_first`` is
+        called before the first chunk.
 
-        ``write``, unrolled: this runs for every chunk of every stream, and the sink is
-        the one Python call between the engine's socket and the client's."""
+        ``write``, unrolled: this runs for every read of every stream, and the sink is
+        the one Python call between the engine's socket and the client's. One write for
+        what one read brought: an engine a little ahead of the gateway sends two or three
+        events a read, and a socket write costs more than the rest of relaying them."""
         cycle = self._cycle()
         if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
             raise RuntimeError("BodyWriter.sink outside a started chunked response")
         self._streaming = True
         transport, flow = self._transport, self._flow
         write, closing = transport.write, transport.is_closing
+        if keep is not None:
+            tail, limit, trim = keep.tail, keep.limit, keep.trim
+            extend = tail.extend
         first = True
 
-        def sink(chunk: bytes) -> bool:
+        def sink(chunks: list[bytes]) -> bool:
             nonlocal first
             if first:
                 first = False
                 on_first()
-                if tap is not None:
-                    tap(chunk)
-                if self.write(chunk):  # it may have a held head to send with it
+                if keep is not None:
+                    keep.feed(chunks)
+                if self._write_framed(_framed(chunks)):  # with a held head, if any
                     return True
             else:
-                if tap is not None:
-                    tap(chunk)
-                if closing():
-                    return False  # the client is gone, as ``write`` says
-                write(_CHUNK % (len(chunk), chunk))
+                if len(chunks) == 1:
+                    chunk = chunks[0]
+                    if keep is not None:
+                        extend(chunk)
+                        if len(tail) > limit:
+                            trim()
+                    if closing():
+                        return False  # the client is gone, as ``write`` says
+                    write(_CHUNK % (len(chunk), chunk))
+                else:
+                    if keep is not None:
+                        keep.feed(chunks)
+                    if closing():
+                        return False
+                    write(_framed(chunks))
                 if not flow.write_paused:
                     return True
             self.when_writable(resume)

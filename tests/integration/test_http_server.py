@@ -55,7 +55,8 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
     """``chunks`` chunks of CHUNK bytes (chunk i all bytes i % 251) written through the
     BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full:
     with ``write``, or (``sunk``) through the function ``sink`` makes, as the gateway's
-    relay does, each chunk also handed to a tap (``running.tapped``)."""
+    relay does, one or (every third call) two chunks a call, as one read from an engine
+    brings, each also kept in a Tail (``running.kept``)."""
     writer = scope["extensions"][BODY_WRITER]
     writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
@@ -68,7 +69,12 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
         while written < chunks:
             written += 1
             chunk = bytes([(written - 1) % 251]) * CHUNK
-            if not (sink(chunk) if sunk else writer.write(chunk)):
+            if sunk:
+                batch = [chunk]
+                if written % 3 == 0 and written < chunks:
+                    written += 1
+                    batch.append(bytes([(written - 1) % 251]) * CHUNK)
+            if not (sink(batch) if sunk else writer.write(chunk)):
                 running.full.set()
                 running.resumed -= 1  # counted back when the writer calls pump again
                 if not sunk:
@@ -81,14 +87,38 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
         pump()
 
     def first() -> None:
-        assert not running.tapped, "on_first after a chunk"
+        assert not running.kept.everything(), "on_first after a chunk"
         running.firsts += 1
 
     if sunk:
-        sink = writer.sink(resumed, first, running.tapped.append)
+        sink = writer.sink(resumed, first, running.kept)
     pump()
     await done.wait()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _KeepsAll:
+    """A BodyWriter Tail that keeps every byte: ``trim`` moves the tail to ``before``."""
+
+    def __init__(self) -> None:
+        self.tail = bytearray()
+        self.limit = 3 * CHUNK
+        self.before = bytearray()
+        self.trims = 0
+
+    def feed(self, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            self.tail.extend(chunk)
+        if len(self.tail) > self.limit:
+            self.trim()
+
+    def trim(self) -> None:
+        self.trims += 1
+        self.before += self.tail
+        self.tail.clear()  # in place: the sink holds this bytearray
+
+    def everything(self) -> bytes:
+        return bytes(self.before + self.tail)
 
 
 class _Running:
@@ -98,7 +128,7 @@ class _Running:
         self.slow_started = asyncio.Event()
         self.full = asyncio.Event()  # a BodyWriter said the client's connection was full
         self.resumed = 0  # when_writable calls not yet called back, negated
-        self.tapped: list[bytes] = []  # what a sink handed its tap
+        self.kept = _KeepsAll()  # what a sink kept
         self.firsts = 0  # a sink's on_first calls
 
         async def app(scope, receive, send) -> None:
@@ -367,7 +397,8 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
             assert running.resumed == 0  # every wait was called back
             if way == "sunk":
                 assert running.firsts == 1
-                assert b"".join(running.tapped) == data  # every chunk, in order
+                assert running.kept.everything() == data  # every chunk, in order
+                assert running.kept.trims  # trimmed as it went
             # The response ended through send: the connection is kept for the next one.
             conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             again = await asyncio.to_thread(conn.recv, 65536)
@@ -449,8 +480,8 @@ async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
             assert writer.write(b"data: 1\n\n")
         elif scope["path"] == "/sink":
             sink = writer.sink(lambda: None, lambda: None)
-            assert sink(b"data: 1\n\n")
-            assert sink(b"data: 2\n\n")
+            assert sink([b"data: 1\n\n"])
+            assert sink([b"data: 2\n\n", b"data: 3\n\n"])
         writer.release()  # whatever is still held goes now, once
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -462,7 +493,8 @@ async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():
         assert head[0].startswith(b"HTTP/1.1 200 OK")
         if path == b"/sink":
             assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # the head and the first chunk
-            assert chunked_end[0] == b"9\r\ndata: 2\n\n\r\n"
+            # Two chunks a call: one write.
+            assert chunked_end[0] == b"9\r\ndata: 2\n\n\r\n9\r\ndata: 3\n\n\r\n"
             chunked_end = chunked_end[1:]
         elif path == b"/chunk":
             assert head[1] == b"9\r\ndata: 1\n\n\r\n"  # one write: the head and the chunk
@@ -525,8 +557,8 @@ async def test_a_body_writer_says_when_the_client_leaves_before_the_answer_is_do
     written = len(served.transport.writes)
     assert not writers[1].write(b"data: 2\n\n")  # nobody to write to: nothing written
     sink = writers[1].sink(lambda: pytest.fail("resumed for nobody"), lambda: None)
-    assert not sink(b"data: 2\n\n")
-    assert not sink(b"data: 3\n\n")
+    assert not sink([b"data: 2\n\n"])
+    assert not sink([b"data: 3\n\n"])
     assert len(served.transport.writes) == written
     finish.set()
     await asyncio.wait_for(asyncio.gather(*served.state.tasks), 5)

@@ -260,7 +260,7 @@ async def test_the_first_byte_limit_holds_until_the_first_byte_of_the_body():
         answer.close()
         got: list[bytes] = []
         answer = await _post(pool, engine.port, first_byte_s=1.5, idle_s=0.3)
-        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        await asyncio.wait_for(answer.pipe(lambda chunks: got.extend(chunks) is None), 5)
         assert got == [b"first"]
         answer.close()
 
@@ -293,7 +293,7 @@ async def test_a_piped_stream_that_starts_then_stops_is_cut_at_the_idle_limit():
         began = loop.time()
         answer = await _post(pool, engine.port, first_byte_s=30, idle_s=0.4)
         with pytest.raises(UpstreamTimeout) as caught:
-            await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+            await asyncio.wait_for(answer.pipe(lambda chunks: got.extend(chunks) is None), 5)
         assert caught.value.phase == "idle" and got == [b"one"]
         assert 0.45 <= loop.time() - began < 2  # the chunk at 0.1 s, then 0.4 s of silence
         answer.close()
@@ -434,8 +434,8 @@ async def test_a_piped_stream_goes_to_the_sink_from_the_connection_callback():
     got: list[bytes] = []
     in_task: list[bool] = []
 
-    def sink(chunk: bytes) -> bool:
-        got.append(chunk)
+    def sink(chunks: list[bytes]) -> bool:
+        got.extend(chunks)
         in_task.append(asyncio.current_task() is not None)
         release.set()
         return True
@@ -457,7 +457,7 @@ async def test_a_piped_stream_goes_to_the_sink_from_the_connection_callback():
     await pool.close()
 
 
-async def test_chunks_and_the_end_in_one_read_go_to_the_sink_each_in_order():
+async def test_chunks_and_the_end_in_one_read_go_to_the_sink_in_one_call_in_order():
     release = asyncio.Event()
 
     async def stream(reader, writer, n):
@@ -468,11 +468,11 @@ async def test_chunks_and_the_end_in_one_read_go_to_the_sink_each_in_order():
         writer.write(b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in (1, 2, 3)) + b"0\r\n\r\n")
         await writer.drain()
 
-    got: list[bytes] = []
+    calls: list[list[bytes]] = []
 
-    def sink(chunk: bytes) -> bool:
-        got.append(chunk)
-        return len(got) != 2  # full after the second: the third is handed on all the same
+    def sink(chunks: list[bytes]) -> bool:
+        calls.append(list(chunks))  # the list is the connection's, reused after the call
+        return False  # full: reading pauses as the answer ends
 
     pool = Pool(connect_timeout_s=2)
     async with Engine(stream) as engine:
@@ -482,7 +482,8 @@ async def test_chunks_and_the_end_in_one_read_go_to_the_sink_each_in_order():
         assert answer._sink is not None
         release.set()
         await asyncio.wait_for(piping, 5)
-        assert got == [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
+        # One read, one call: the three chunks in order.
+        assert calls == [[b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]]
         answer.close()
         # Paused as it ended, the connection went back to the pool read again.
         again = await _post(pool, engine.port)
@@ -506,8 +507,9 @@ async def test_a_full_sink_pauses_reading_until_resumed_and_is_not_idleness():
     got = bytearray()
     full = asyncio.Event()
 
-    def sink(chunk: bytes) -> bool:
-        got.extend(chunk)
+    def sink(chunks: list[bytes]) -> bool:
+        for chunk in chunks:
+            got.extend(chunk)
         if len(got) >= 2**20 and not full.is_set():
             full.set()
             return False  # as a client that stopped reading
@@ -544,13 +546,13 @@ async def test_a_connection_paused_as_its_answer_ended_is_read_again_in_the_pool
     pool = Pool(connect_timeout_s=2)
     async with Engine(whole) as engine:
         answer = await _post(pool, engine.port)
-        await asyncio.wait_for(answer.pipe(lambda chunk: False), 5)  # full: pause
+        await asyncio.wait_for(answer.pipe(lambda chunks: False), 5)  # full: pause
         answer.close()
         loop = asyncio.get_running_loop()
         began = loop.time()
         answer = await _post(pool, engine.port, first_byte_s=3)
         got: list[bytes] = []
-        await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+        await asyncio.wait_for(answer.pipe(lambda chunks: got.extend(chunks) is None), 5)
         assert got and b"".join(got) == b"onetwo"
         assert loop.time() - began < 1
         answer.close()
@@ -572,13 +574,13 @@ async def test_a_piped_stream_times_out_when_idle_and_fails_when_broken_off():
     async with Engine(stall) as engine:
         answer = await _post(pool, engine.port, idle_s=0.3)
         with pytest.raises(UpstreamTimeout) as caught:
-            await asyncio.wait_for(answer.pipe(lambda chunk: got.append(chunk) is None), 5)
+            await asyncio.wait_for(answer.pipe(lambda chunks: got.extend(chunks) is None), 5)
         assert caught.value.phase == "idle" and got == [b"one"]
         answer.close()
         await asyncio.wait_for(engine.closed.wait(), 2)
         answer = await _post(pool, engine.port, idle_s=5)
         with pytest.raises(UpstreamError, match="mid-answer"):
-            await asyncio.wait_for(answer.pipe(lambda chunk: True), 5)
+            await asyncio.wait_for(answer.pipe(lambda chunks: True), 5)
         answer.close()
     await pool.close()
 
@@ -621,7 +623,7 @@ async def test_bytes_after_a_whole_answer_lose_none_of_it_and_the_connection():
     async with Engine(stream_then_trailing) as engine:
         answer = await _post(pool, engine.port)
         got: list[bytes] = []
-        piping = asyncio.create_task(answer.pipe(lambda chunk: got.append(chunk) is None))
+        piping = asyncio.create_task(answer.pipe(lambda chunks: got.extend(chunks) is None))
         await asyncio.sleep(0)  # pipe's first step: the sink is set before it waits
         assert answer._sink is not None
         release.set()

@@ -175,8 +175,7 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     try:
         try:
             if writer is not None:
-                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
-                                                reader.feed if reader is not None else None))
+                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes, reader))
             else:
                 await _copy(upstream, send, progress, reader)
         except UpstreamTimeout as err:
@@ -212,6 +211,6 @@ async def _copy(upstream: Answer, send: Send, progress: Progress,
         progress.first_bytes()
     while chunk:
         if reader is not None:
-            reader.feed(chunk)
+            reader.feed([chunk])
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         chunk = await upstream.chunk()

@@ -176,7 +176,7 @@ class Answer:
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: collections.deque[bytes] = collections.deque()
         self._queued = 0
-        self._sink: Callable[[bytes], bool] | None = None
+        self._sink: Callable[[list[bytes]], bool] | None = None
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
@@ -244,15 +244,19 @@ class Answer:
         self._disarm()
         return b""
 
-    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+    async def pipe(self, sink: Callable[[list[bytes]], bool]) -> None:
         """Hand the body to ``sink`` as it comes, from the connection's own callback: no
-        task is woken per chunk. ``sink`` returns False when whoever it writes to takes no
-        more for now; reading from the engine then pauses until ``resume()``. Returns once
-        the answer is complete; raises as ``chunk()`` does, the idle limit counting only
-        while reading is not paused."""
+        task is woken per chunk. ``sink`` is given a list of chunks, never empty: what came
+        before the pipe, then what each read from the engine brought (one call per read,
+        however many chunks it held); the list is reused once the call returns. ``sink``
+        returns False when whoever it writes to takes no more for now; reading from the
+        engine then pauses until ``resume()``. Returns once the answer is complete; raises
+        as ``chunk()`` does, the idle limit counting only while reading is not paused."""
         if self._chunks:  # came before there was a sink
             self._queued = 0
-            if sink(self._drain()):
+            chunks = list(self._chunks)
+            self._chunks.clear()
+            if sink(chunks):
                 self.resume()  # had it paused at the high-water mark
             else:
                 self._conn.pause()
@@ -480,40 +484,54 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.got_nothing = False
+        # Every read of every stream: kept short.
         answer = self.answer
         if answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
             self.abort()
             return
-        parts = self._parts
-        error = None
+        self.got_nothing = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as err:
-            error = err
-        if parts:
-            # Handed on after the parse, in order, and before an error the parse ended in
-            # (bytes after a whole answer are the connection's fault, not the answer's);
-            # an end of the answer found in the same read only wakes its reader, which
-            # runs after this.
-            answer._last = _monotonic()
-            sink = answer._sink
-            try:
-                if sink is None:
-                    for part in parts:
-                        answer._queue(part)
-                else:
-                    # This runs for every chunk of every stream: one call per part.
-                    for part in parts:
-                        if not sink(part):
-                            self.pause()
-            finally:
-                parts.clear()  # never handed on twice, whatever a sink does
-        if error is not None:
-            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {error}",
+            # What parsed before the error is the answer's (bytes after a whole answer are
+            # the connection's fault, not the answer's).
+            self._hand_on(answer)
+            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
                                        answered=bool(answer.status)))
             self.abort()
+            return
+        parts = self._parts
+        if parts:
+            sink = answer._sink
+            if sink is None:
+                self._hand_on(answer)
+                return
+            # ``_hand_on``, inline for a sink: one Python call per read, the sink's.
+            answer._last = _monotonic()
+            try:
+                if not sink(parts):
+                    self.pause()
+            finally:
+                parts.clear()
+
+    def _hand_on(self, answer: Answer) -> None:
+        """The body's parts parsed from one read, to the answer's sink or queue, in order,
+        once the read is parsed (an end of the answer found in it only woke the answer's
+        reader, which runs after this)."""
+        parts = self._parts
+        if not parts:
+            return
+        answer._last = _monotonic()
+        sink = answer._sink
+        try:
+            if sink is None:
+                for part in parts:
+                    answer._queue(part)
+            elif not sink(parts):
+                self.pause()
+        finally:
+            parts.clear()  # never handed on twice, whatever a sink does
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
