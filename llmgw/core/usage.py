@@ -275,9 +275,11 @@ def usage_from_body(body: bytes) -> Usage | None:
 
 
 _USAGE = b'"usage"'
-# An event's line, and after a newline (the stream's first has none before it).
+# An event's line, and after a line end (the stream's first has none before it; a CRLF's
+# LF is the one counted).
 _FIRST_EVENT = b"data:"
-_EVENT = b"\n" + _FIRST_EVENT
+_EVENT_LF = b"\n" + _FIRST_EVENT
+_EVENT_CR = b"\r" + _FIRST_EVENT
 # What may follow the usage line and still be found: `data: [DONE]` and the like.
 AFTER_USAGE_BYTES = 4096
 # Lines looked at from the end of a stream for the usage, blank and `event:` lines included.
@@ -328,11 +330,13 @@ class StreamUsage:
         cut = len(tail) - self._bound
         if cut <= 0:
             return
-        # Not through an event's start: it is counted where it is kept.
-        at = tail.find(_EVENT, max(0, cut - len(_EVENT) + 1), cut + len(_EVENT) - 1)
-        if 0 <= at < cut:
-            cut = at
-        self._events += tail.count(_EVENT, 0, cut)
+        # At the last line end before that, which is kept: an event's line end and
+        # ``data:`` are then dropped or kept together. Not if that keeps too much (a long
+        # line): no line ends between there and ``cut``, so no event begins there either.
+        end = max(tail.rfind(b"\n", 0, cut + 1), tail.rfind(b"\r", 0, cut + 1))
+        if end >= 0 and len(tail) - end <= self.limit:
+            cut = end
+        self._events += tail.count(_EVENT_LF, 0, cut) + tail.count(_EVENT_CR, 0, cut)
         if not self._cut:
             self._cut = True
             self._events += tail.startswith(_FIRST_EVENT)
@@ -341,8 +345,8 @@ class StreamUsage:
     def events(self) -> int:
         """The ``data:`` lines the stream has had (an event is one, as engines write them)."""
         tail = self.tail
-        return self._events + tail.count(_EVENT) + (
-            not self._cut and tail.startswith(_FIRST_EVENT))
+        return (self._events + tail.count(_EVENT_LF) + tail.count(_EVENT_CR)
+                + (not self._cut and tail.startswith(_FIRST_EVENT)))
 
     def end(self) -> Usage | None:
         """The stream is over (a last line without a newline counts); the usage the engine

@@ -204,6 +204,15 @@ def test_overlong_line_is_skipped_and_memory_stays_bounded() -> None:
     assert peak <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
 
 
+def test_a_line_without_end_does_not_grow_the_tail() -> None:
+    reader = StreamUsage()
+    reader.feed([sse(delta("a"), done=False)])  # a line end, then none for 1 MiB
+    for _ in range(256):
+        reader.feed([b"y" * 4096])
+        assert len(reader.tail) <= reader.limit
+    assert reader.events() == 1
+
+
 def test_a_long_stream_keeps_only_its_tail_and_counts_every_event() -> None:
     chunks = [sse(delta(f"t{n}"), done=False) for n in range(5000)] + [INCLUDE_USAGE]
     reader = StreamUsage()
@@ -224,7 +233,7 @@ def test_events_are_counted_however_the_stream_is_cut(seed: int) -> None:
     counted twice where a trim or a piece cuts through its ``\\ndata:``."""
     rng = random.Random(seed)
     stream = b"".join(sse(delta("x" * rng.randrange(0, 40)), done=False,
-                          eol=rng.choice([b"\n", b"\r\n"])) for _ in range(3000))
+                          eol=rng.choice([b"\n", b"\r\n", b"\r"])) for _ in range(3000))
     reader = StreamUsage(max_line=64)
     at = 0
     while at < len(stream):
