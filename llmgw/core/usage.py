@@ -336,6 +336,8 @@ class StreamUsage:
         end = max(tail.rfind(b"\n", 0, cut + 1), tail.rfind(b"\r", 0, cut + 1))
         if end >= 0 and len(tail) - end <= self.limit:
             cut = end
+            if cut == 0:
+                return  # nothing before it to drop
         self._events += tail.count(_EVENT_LF, 0, cut) + tail.count(_EVENT_CR, 0, cut)
         if not self._cut:
             self._cut = True
