@@ -293,40 +293,37 @@ class StreamUsage:
     Engines report it in the stream's last lines: in the last event before `data: [DONE]`
     (OpenAI's ``stream_options.include_usage``; llama.cpp's server, vLLM and SGLang when
     asked), as running totals in every event (vLLM's continuous usage stats), or in the
-    Responses API's closing event. So nothing is read while the stream runs: the stream's
-    bytes are appended to `tail`, which `trim` cuts back to its last ``max_line +
-    AFTER_USAGE_BYTES`` bytes once it is longer than `limit` (twice that), and `end` looks
-    in the last `TAIL_LINES` lines of it, newest first: the first ``data:`` line that
-    mentions ``"usage"`` and holds a usage wins. A line longer than `max_line` is skipped.
-    (OpenAI's own streams, asked for usage, name ``"usage": null`` in every event: read
-    per chunk, each was a JSON document decoded.)
-
-    A relay may append to `tail` itself and call `trim` when it is longer than `limit`,
-    as `feed` does (llmgw's BodyWriter sink does: no Python call per read).
+    Responses API's closing event. So nothing is read while the stream runs: `feed`
+    appends the stream's bytes to one buffer, cut back to its last ``max_line +
+    AFTER_USAGE_BYTES`` bytes once it is twice that, and `end` looks in the last
+    `TAIL_LINES` lines of it, newest first: the first ``data:`` line that mentions
+    ``"usage"`` and holds a usage wins. A line longer than `max_line` is skipped. (OpenAI's
+    own streams, asked for usage, name ``"usage": null`` in every event: read per chunk,
+    each was a JSON document decoded.)
     """
 
-    __slots__ = ("_bound", "_cut", "_events", "_max_line", "limit", "tail")
+    __slots__ = ("_bound", "_cut", "_events", "_limit", "_max_line", "_tail")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
         self._bound = max_line + AFTER_USAGE_BYTES
-        self.limit = 2 * self._bound
-        self.tail = bytearray()
+        self._limit = 2 * self._bound
+        self._tail = bytearray()
         self._cut = False  # the front of the stream was dropped from `tail`
         self._events = 0  # events in what was dropped
 
     def feed(self, chunks: list[bytes]) -> None:
         """The stream's next chunks, in order (a list: what one read brought)."""
-        extend = self.tail.extend
+        tail = self._tail
         for chunk in chunks:
-            extend(chunk)
-        if len(self.tail) > self.limit:
-            self.trim()
+            tail += chunk
+        if len(tail) > self._limit:
+            self._trim()
 
-    def trim(self) -> None:
-        """Drop the front of `tail` down to its last ``max_line + AFTER_USAGE_BYTES``
-        bytes, counting the events dropped."""
-        tail = self.tail
+    def _trim(self) -> None:
+        # The front of the tail dropped, down to its last `_bound` bytes; the events in
+        # it counted.
+        tail = self._tail
         cut = len(tail) - self._bound
         if cut <= 0:
             return
@@ -334,7 +331,7 @@ class StreamUsage:
         # ``data:`` are then dropped or kept together. Not if that keeps too much (a long
         # line): no line ends between there and ``cut``, so no event begins there either.
         end = max(tail.rfind(b"\n", 0, cut + 1), tail.rfind(b"\r", 0, cut + 1))
-        if end >= 0 and len(tail) - end <= self.limit:
+        if end >= 0 and len(tail) - end <= self._limit:
             cut = end
             if cut == 0:
                 return  # nothing before it to drop
@@ -346,7 +343,7 @@ class StreamUsage:
 
     def events(self) -> int:
         """The ``data:`` lines the stream has had (an event is one, as engines write them)."""
-        tail = self.tail
+        tail = self._tail
         return (self._events + tail.count(_EVENT_LF) + tail.count(_EVENT_CR)
                 + (not self._cut and tail.startswith(_FIRST_EVENT)))
 
@@ -355,7 +352,7 @@ class StreamUsage:
         reported, or None."""
         # Found by its key, then judged by its line: this runs at the end of every stream,
         # most of which hold no usage at all. Lines end with LF, CRLF or a lone CR.
-        data = self.tail
+        data = self._tail
         at = data.rfind(_USAGE)
         while at >= 0:
             end = _line_end(data, at)

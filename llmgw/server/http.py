@@ -27,7 +27,7 @@ import ssl
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httptools
 import uvicorn
@@ -45,23 +45,11 @@ BODY_WRITER = "llmgw.body_writer"
 _CHUNK = b"%x\r\n%b\r\n"
 
 
-class Tail(Protocol):
-    """Keeps the last bytes of a stream that a BodyWriter sink writes (the gateway's is
-    ``llmgw.core.usage.StreamUsage``). ``feed`` takes a list of chunks; for the usual read
-    of one chunk, the sink does what ``feed`` does itself, without the Python call:
-    appends it to ``tail``, and calls ``trim`` when ``tail`` is longer than ``limit``.
-    ``tail`` stays the same bytearray throughout: ``trim`` cuts it in place."""
-
-    tail: bytearray
-    limit: int
-
-    def feed(self, chunks: list[bytes]) -> None: ...
-
-    def trim(self) -> None: ...
-
-
 def _framed(chunks: list[bytes]) -> bytes:
     """``chunks`` as chunks of a chunked body, in one bytes."""
+    if len(chunks) == 1:  # nearly always: an engine's read is mostly one event
+        chunk = chunks[0]
+        return _CHUNK % (len(chunk), chunk)
     return b"".join([_CHUNK % (len(chunk), chunk) for chunk in chunks])
 
 
@@ -165,17 +153,17 @@ class BodyWriter:
         return not self._flow.write_paused
 
     def sink(self, resume: Callable[[], None], on_first: Callable[[], None],
-             keep: Tail | None = None) -> Callable[[list[bytes]], bool]:
+             tap: Callable[[list[bytes]], None] | None = None
+             ) -> Callable[[list[bytes]], bool]:
         """A function for an upstream ``Answer.pipe`` to hand a stream's chunks to, in the
         started chunked response, a list at a time (what one read from the engine
-        brought): they are appended to ``keep`` (if given), then written as ``write``
-        does, all in one write. It returns False when the client takes no more for now,
-        and then calls ``resume`` once the client's connection drains. ``on_first`` is
-        called before the first chunk.
+        brought): the list is given to ``tap`` (if any), then its chunks are written as
+        ``write`` does, all in one write. It returns False when the client takes no more
+        for now, and then calls ``resume`` once the client's connection drains.
+        ``on_first`` is called before the first chunk.
 
-        ``write``, unrolled: this runs for every read of every stream, and the sink is
-        the one Python call between the engine's socket and the client's. One write for
-        what one read brought: an engine a little ahead of the gateway sends two or three
+        ``write``, unrolled: this runs for every read of every stream. One write for what
+        one read brought: an engine a little ahead of the gateway sends two or three
         events a read, and a socket write costs more than the rest of relaying them."""
         cycle = self._cycle()
         if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
@@ -183,9 +171,6 @@ class BodyWriter:
         self._streaming = True
         transport, flow = self._transport, self._flow
         write, closing = transport.write, transport.is_closing
-        if keep is not None:
-            tail, limit, trim = keep.tail, keep.limit, keep.trim
-            extend = tail.extend
         first = True
 
         def sink(chunks: list[bytes]) -> bool:
@@ -193,26 +178,16 @@ class BodyWriter:
             if first:
                 first = False
                 on_first()
-                if keep is not None:
-                    keep.feed(chunks)
+                if tap is not None:
+                    tap(chunks)
                 if self._write_framed(_framed(chunks)):  # with a held head, if any
                     return True
             else:
-                if len(chunks) == 1:
-                    chunk = chunks[0]
-                    if keep is not None:
-                        extend(chunk)
-                        if len(tail) > limit:
-                            trim()
-                    if closing():
-                        return False  # the client is gone, as ``write`` says
-                    write(_CHUNK % (len(chunk), chunk))
-                else:
-                    if keep is not None:
-                        keep.feed(chunks)
-                    if closing():
-                        return False
-                    write(_framed(chunks))
+                if tap is not None:
+                    tap(chunks)
+                if closing():
+                    return False  # the client is gone, as ``write`` says
+                write(_framed(chunks))
                 if not flow.write_paused:
                     return True
             self.when_writable(resume)

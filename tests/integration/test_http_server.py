@@ -56,7 +56,7 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
     BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full:
     with ``write``, or (``sunk``) through the function ``sink`` makes, as the gateway's
     relay does, one or (every third call) two chunks a call, as one read from an engine
-    brings, each also kept in a Tail (``running.kept``)."""
+    brings, each also handed to a tap (``running.tapped``)."""
     writer = scope["extensions"][BODY_WRITER]
     writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
@@ -87,38 +87,14 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
         pump()
 
     def first() -> None:
-        assert not running.kept.everything(), "on_first after a chunk"
+        assert not running.tapped, "on_first after a chunk"
         running.firsts += 1
 
     if sunk:
-        sink = writer.sink(resumed, first, running.kept)
+        sink = writer.sink(resumed, first, running.tapped.extend)
     pump()
     await done.wait()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _KeepsAll:
-    """A BodyWriter Tail that keeps every byte: ``trim`` moves the tail to ``before``."""
-
-    def __init__(self) -> None:
-        self.tail = bytearray()
-        self.limit = 3 * CHUNK
-        self.before = bytearray()
-        self.trims = 0
-
-    def feed(self, chunks: list[bytes]) -> None:
-        for chunk in chunks:
-            self.tail.extend(chunk)
-        if len(self.tail) > self.limit:
-            self.trim()
-
-    def trim(self) -> None:
-        self.trims += 1
-        self.before += self.tail
-        self.tail.clear()  # in place: the sink holds this bytearray
-
-    def everything(self) -> bytes:
-        return bytes(self.before + self.tail)
 
 
 class _Running:
@@ -128,7 +104,7 @@ class _Running:
         self.slow_started = asyncio.Event()
         self.full = asyncio.Event()  # a BodyWriter said the client's connection was full
         self.resumed = 0  # when_writable calls not yet called back, negated
-        self.kept = _KeepsAll()  # what a sink kept
+        self.tapped: list[bytes] = []  # what a sink handed its tap
         self.firsts = 0  # a sink's on_first calls
 
         async def app(scope, receive, send) -> None:
@@ -397,8 +373,7 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
             assert running.resumed == 0  # every wait was called back
             if way == "sunk":
                 assert running.firsts == 1
-                assert running.kept.everything() == data  # every chunk, in order
-                assert running.kept.trims  # trimmed as it went
+                assert b"".join(running.tapped) == data  # every chunk, in order
             # The response ended through send: the connection is kept for the next one.
             conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             again = await asyncio.to_thread(conn.recv, 65536)

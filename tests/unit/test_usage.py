@@ -199,7 +199,7 @@ def test_overlong_line_is_skipped_and_memory_stays_bounded() -> None:
     peak = 0
     for start in range(0, len(stream), 1000):
         reader.feed([stream[start:start + 1000]])
-        peak = max(peak, len(reader.tail))
+        peak = max(peak, len(reader._tail))
     assert reader.end() == Usage(3, 4)  # the long line's usage was skipped, not misread
     assert peak <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
 
@@ -209,7 +209,7 @@ def test_a_line_without_end_does_not_grow_the_tail() -> None:
     reader.feed([sse(delta("a"), done=False)])  # a line end, then none for 1 MiB
     for _ in range(256):
         reader.feed([b"y" * 4096])
-        assert len(reader.tail) <= reader.limit
+        assert len(reader._tail) <= reader._limit
     assert reader.events() == 1
 
 
@@ -218,12 +218,12 @@ def test_a_long_stream_keeps_only_its_tail_and_counts_every_event() -> None:
     reader = StreamUsage()
     for chunk in chunks:
         reader.feed([chunk])
-    assert len(reader.tail) <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
+    assert len(reader._tail) <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
     assert reader.counted() == Usage(9, 2)
     silent = StreamUsage()
     for chunk in chunks[:-1]:
         silent.feed([chunk])
-    assert len(silent.tail) < sum(map(len, chunks[:-1]))  # the front was dropped
+    assert len(silent._tail) < sum(map(len, chunks[:-1]))  # the front was dropped
     assert silent.counted() == Usage(0, 5000)  # events dropped from the tail still count
 
 
@@ -243,7 +243,7 @@ def test_events_are_counted_however_the_stream_is_cut(seed: int) -> None:
             pieces.append(stream[at:at + size])
             at += size
         reader.feed([p for p in pieces if p])
-    assert len(reader.tail) <= reader.limit
+    assert len(reader._tail) <= reader._limit
     assert reader.events() == 3000
     assert reader.counted() == Usage(0, 3000)
 
@@ -258,7 +258,7 @@ def test_a_tail_that_begins_mid_line_is_not_read_as_a_line() -> None:
     for cut in range(0, start, 4096):
         reader.feed([line[cut:min(cut + 4096, start)]])
     reader.feed([line[start:]])
-    assert len(reader.tail) < len(line)  # the front was dropped
+    assert len(reader._tail) < len(line)  # the front was dropped
     assert reader.end() is None
 
 
@@ -280,7 +280,7 @@ def test_a_long_stream_with_any_line_ending_finds_its_usage(eol: bytes) -> None:
         reader.feed([sse(delta(f"t{n}"), done=False, eol=eol)])
     reader.feed([sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3000}},
                      eol=eol)])
-    assert len(reader.tail) <= reader.limit  # the front was dropped
+    assert len(reader._tail) <= reader._limit  # the front was dropped
     assert reader.counted() == Usage(7, 3000)
 
 

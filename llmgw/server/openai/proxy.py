@@ -175,7 +175,8 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     try:
         try:
             if writer is not None:
-                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes, reader))
+                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
+                                                reader.feed if reader is not None else None))
             else:
                 await _copy(upstream, send, progress, reader)
         except UpstreamTimeout as err:

@@ -501,19 +501,7 @@ class _Connection(asyncio.Protocol):
                                        answered=bool(answer.status)))
             self.abort()
             return
-        parts = self._parts
-        if parts:
-            sink = answer._sink
-            if sink is None:
-                self._hand_on(answer)
-                return
-            # ``_hand_on``, inline for a sink: one Python call per read, the sink's.
-            answer._last = _monotonic()
-            try:
-                if not sink(parts):
-                    self.pause()
-            finally:
-                parts.clear()
+        self._hand_on(answer)
 
     def _hand_on(self, answer: Answer) -> None:
         """The body's parts parsed from one read, to the answer's sink or queue, in order,
