@@ -12,26 +12,34 @@ same llmgw: 122 -> 75 µs of CPU per proxied request, 19.8 -> 12.2 µs per strea
 What uvicorn leaves to us, done here: a request's head bounded in size and in time (its
 httptools protocol keeps every header line it is sent, and waits for ever), a restart that
 resets no request already sent, TLS 1.3 only, no ``server`` header, forwarding headers
-never trusted, and signals left to ``llmgw server``. And one thing added: a BodyWriter
+never trusted, and signals left to ``llmgw server``. And two things added: a BodyWriter
 per request, through which the gateway writes a stream's chunks from the engine
-connection's callback instead of awaiting ``send`` for each.
+connection's callback instead of awaiting ``send`` for each; and requests that the app
+serves from callbacks with no task at all (CallbackRoutes: the gateway's hot streams).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+
+log = logging.getLogger(__name__)
 
 # The request line and headers together; a body is bounded by the routes that read it.
 MAX_HEAD_BYTES = 64 * 1024
@@ -51,6 +59,22 @@ def _framed(chunks: list[bytes]) -> bytes:
         chunk = chunks[0]
         return _CHUNK % (len(chunk), chunk)
     return b"".join([_CHUNK % (len(chunk), chunk) for chunk in chunks])
+
+
+class CallbackRoutes(Protocol):
+    """An app (ASGI, called for everything else) that serves some requests from the
+    connection's callbacks, with no task: the server holds such a request until its body
+    is in (unless it is large), then hands it to ``serve_now``."""
+
+    def claims(self, scope: dict) -> bool:
+        """Whether ``serve_now`` may serve the request whose head is ``scope``."""
+
+    def serve_now(self, scope: dict, body: bytes, writer: BodyWriter,
+                  fall_back: Callable[[], None]) -> bool:
+        """Serve the request through ``writer`` (``start``, ``sink``, ``finish``), from
+        callbacks; False to have it served as any other, through the ASGI app, now. Once
+        it said True, ``fall_back`` still hands it to the app, as long as nothing of the
+        answer was written."""
 
 
 class BodyWriter:
@@ -124,6 +148,64 @@ class BodyWriter:
                 if held.parts and not (cycle.disconnected or held.transport.is_closing()):
                     held.transport.write(b"".join(held.parts))
 
+    def start(self, status: int, headers: list[tuple[bytes, bytes]],
+              length: int | None = None) -> None:
+        """What ``send`` does with an ``http.response.start``, at once, for a caller with no
+        task to await it in: the head with ``headers`` (names in lower case, and no CR or
+        LF in them: llmgw's own, or an engine's as httptools parsed them; no length or
+        framing), a body of ``length`` bytes, or chunked when ``length`` is None. Nothing
+        once the client is gone. ``finish`` ends the response."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
+            return
+        if cycle.response_started:
+            raise RuntimeError("BodyWriter.start on a response already started")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            parts += (name, b": ", value, b"\r\n")
+        if length is None:
+            cycle.chunked_encoding = True
+            cycle.expected_content_length = 0
+            parts.append(b"transfer-encoding: chunked\r\n")
+        else:
+            cycle.chunked_encoding = False
+            cycle.expected_content_length = length
+            parts.append(b"content-length: %d\r\n" % length)
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        cycle.transport.write(b"".join(parts))
+
+    def finish(self, body: bytes = b"") -> None:
+        """What ``send`` does with the last ``http.response.body``, at once: ``body`` (the
+        whole body of a response with a length; the last chunk, if any, of a chunked
+        one), then the response is complete and the connection serves its next request
+        (or closes, when not kept alive)."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or cycle.response_complete:
+            return
+        if cycle.chunked_encoding:
+            body = (_CHUNK % (len(body), body) if body else b"") + b"0\r\n\r\n"
+        elif len(body) != cycle.expected_content_length:
+            raise RuntimeError("BodyWriter.finish with a body not of the length sent")
+        cycle.transport.write(body)
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            cycle.transport.close()
+        cycle.on_response()
+
+    def served(self) -> None:
+        """The request was served with no task (``start``, ``finish``), or its client left:
+        what the end of uvicorn's task would do. It lets go of the connection's callback
+        that the request's cycle holds, which would otherwise keep the connection and the
+        cycle in a reference cycle for the cyclic collector."""
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.on_response = _nothing
+
     def write(self, chunk: bytes) -> bool:
         """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
         no more for now: its connection's buffer is full (``when_writable`` says when it
@@ -187,7 +269,11 @@ class BodyWriter:
                     tap(chunks)
                 if closing():
                     return False  # the client is gone, as ``write`` says
-                write(_framed(chunks))
+                if len(chunks) == 1:  # _framed's common case, without its call
+                    chunk = chunks[0]
+                    write(_CHUNK % (len(chunk), chunk))
+                else:
+                    write(_framed(chunks))
                 if not flow.write_paused:
                     return True
             self.when_writable(resume)
@@ -200,6 +286,10 @@ class BodyWriter:
         has drained (never, if the client is gone)."""
         if self._protocol is not None:
             self._protocol._on_writable = callback
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Held:
@@ -230,14 +320,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     could hold memory with endless header lines, or a connection with a head it never
     finishes. And a stop does not reset a connection whose first request is on its way.
 
-    Each request is offered a BodyWriter (above).
+    Each request is offered a BodyWriter (above). A request an app that is
+    CallbackRoutes claims is held until its body is in, then offered to its
+    ``serve_now``; it goes to the app's ASGI task only if that declines (or hands it
+    back), if its body is too large to hold (uvicorn pauses reading it), or if its client
+    waits for ``100 Continue``.
 
-    It overrides parser callbacks (``on_header`` whole) and seven methods of uvicorn 0.54's
-    protocol (pinned in pyproject.toml): ``data_received``, ``send_400_response``, which it
-    calls on a parser error, ``shutdown``, ``resume_writing``, the connection callbacks, and
-    (to time the keep-alive limit with one timer per connection) ``on_response_complete``
-    and ``_unset_keepalive_if_required``; BodyWriter reads
-    its request cycle's response state and writes as its ``send`` does.
+    It overrides parser callbacks (``on_header`` whole; ``on_body`` and
+    ``on_message_complete`` after uvicorn's) and nine methods of uvicorn 0.54's protocol
+    (pinned in pyproject.toml): ``data_received``, ``send_400_response``, which it calls on
+    a parser error, ``shutdown``, ``resume_writing``, the connection callbacks,
+    ``_start_asgi_task`` (to hold a request for ``serve_now``), and (to time the
+    keep-alive limit with one timer per connection) ``on_response_complete`` and
+    ``_unset_keepalive_if_required``; BodyWriter reads its request cycle's response state
+    and writes as its ``send`` does (``start`` and ``finish`` do what ``send`` does).
     tests/integration/test_http_server.py fails if an upgrade changes them."""
 
     _head_timer: asyncio.TimerHandle | None = None
@@ -248,6 +344,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _last_request = False
     _on_writable: Callable[[], None] | None = None
     _writer: BodyWriter | None = None  # the latest request's
+    # A request (its cycle, and the app) whose body comes before the app serves it.
+    _deferred: tuple[RequestResponseCycle, CallbackRoutes] | None = None
     # Kept-alive and waiting for a request since this loop time; None while one is served.
     _idle_since: float | None = None
     _keep_alive_timer: asyncio.TimerHandle | None = None
@@ -256,7 +354,46 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # A request the app serves from callbacks (see CallbackRoutes) waits for its body
+        # here instead; but not one whose client waits to be told to send the body.
+        claims = getattr(app, "claims", None)  # CallbackRoutes'
+        if (claims is not None and cycle.more_body and not cycle.waiting_for_100_continue
+                and claims(cycle.scope)):
+            self._deferred = (cycle, app)
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._deferred is not None and self.flow.read_paused:
+            # A body too large to be kept whole before it is served: served as any other.
+            cycle, app = self._deferred
+            self._deferred = None
+            super()._start_asgi_task(cycle, app)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        deferred = self._deferred
+        if deferred is None:
+            return
+        self._deferred = None
+        cycle, app = deferred
+        start = functools.partial(HttpToolsProtocol._start_asgi_task, self, cycle, app)
+        try:
+            taken = app.serve_now(cycle.scope, bytes(cycle.body),
+                                  cycle.scope["extensions"][BODY_WRITER], start)
+        except Exception:
+            # Where it failed is not known: the client is not answered twice.
+            log.exception("unexpected error serving %s %s", cycle.scope["method"],
+                             cycle.scope["path"])
+            self.transport.close()
+            return
+        if not taken:
+            start()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._deferred = None
         self._stop_head_timer()
         if self._keep_alive_timer is not None:
             self._keep_alive_timer.cancel()

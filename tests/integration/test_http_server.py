@@ -616,3 +616,73 @@ async def test_a_kept_alive_connection_is_closed_after_the_keep_alive_limit_of_s
     await _until(lambda: served.transport.closed, "the idle connection to be closed")
     # The first answer's limit ran out 0.5 s after the second: closed then is the fault.
     assert 0.9 <= loop.time() - answered < 3
+
+
+class _NowOrAsgi:
+    """An app that serves POST /now/* from the connection's callbacks (CallbackRoutes):
+    /now/stream as a chunked answer of the body's words, /now/whole as one answer with a
+    length, /now/back handed to the ASGI app after a moment (as the gateway hands back a
+    request an engine refused); anything else through ASGI (``_echo``)."""
+
+    def __init__(self, running: _Running):
+        self.running = running
+        self.now: list[str] = []  # paths serve_now served
+
+    async def __call__(self, scope, receive, send) -> None:
+        await _echo(scope, receive, send, self.running)
+
+    def claims(self, scope) -> bool:
+        return scope["method"] == "POST" and scope["path"].startswith("/now/")
+
+    def serve_now(self, scope, body, writer, fall_back) -> bool:
+        path = scope["path"]
+        loop = asyncio.get_running_loop()
+        if path == "/now/back":
+            self.now.append(path)
+            loop.call_later(0.05, fall_back)
+            return True
+        if path == "/now/stream":
+            self.now.append(path)
+            writer.start(200, [(b"content-type", b"text/plain")])
+            words = body.split()
+
+            def next_word() -> None:  # one chunk per loop pass, from callbacks
+                if words:
+                    sink([words.pop(0)])
+                    loop.call_soon(next_word)
+                else:
+                    writer.finish(b"!")
+                    writer.served()
+
+            sink = writer.sink(lambda: None, lambda: None)
+            loop.call_soon(next_word)
+            return True
+        if path == "/now/whole":
+            self.now.append(path)
+            writer.start(201, [(b"content-type", b"text/plain")], len(body))
+            writer.finish(body)
+            writer.served()
+            return True
+        return False
+
+
+async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_then_served():
+    running = _Running()
+    app = _NowOrAsgi(running)
+    running.server = make_server(app, running.sock)
+    async with running, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{running.port}"
+        for _ in range(2):  # on one kept-alive connection, one after the other
+            async with http.post(base + "/now/stream", data=b"one two three") as resp:
+                assert resp.status == 200 and resp.headers["transfer-encoding"] == "chunked"
+                assert await resp.read() == b"onetwothree!"
+            async with http.post(base + "/now/whole", data=b"all of it") as resp:
+                assert (resp.status, await resp.read()) == (201, b"all of it")
+                assert resp.headers["content-length"] == "9"
+        # Said no, or handed back later, or too large to hold: through the ASGI app.
+        for path, data in (("/now/other", b"x"), ("/now/back", b"x"),
+                           ("/now/whole", b"y" * (2**16 + 1))):
+            async with http.post(base + path, data=data) as resp:
+                assert resp.status == 200 and (await resp.json())["scheme"] == "http"
+        assert app.now == ["/now/stream", "/now/whole"] * 2 + ["/now/back"]
+        assert running.server.server_state.total_requests == 7

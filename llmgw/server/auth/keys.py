@@ -161,13 +161,9 @@ class KeyCache:
     async def check(self, key: str, now: datetime | None = None) -> ApiKeyRecord | str:
         """The key's record, or why it was refused, as check_api_key; ``now`` by default
         read only if the key can expire."""
-        # A key read lately is known by its id part: its hash, compared below, vouches for
-        # the rest, so the checksum need not be worked out first.
-        head = key[:_PREFIX_LEN]
-        cached = self._known.get(head) if len(key) == KEY_LEN else None
-        if cached is not None and cached[1] > self._clock():
-            self._used.add(head)
-            verdict = cached[0].judge(key, now)
+        known = self._fresh(key)
+        if known is not None:
+            verdict = known.judge(key, now)
             if verdict is _NOT_VALID and key_id(key) is None:
                 return _MALFORMED  # a typo: say so, as for a key not read lately
             return verdict
@@ -180,6 +176,25 @@ class KeyCache:
         # Shielded: a request that goes away does not cancel the read for the others.
         known = await asyncio.shield(reading)
         return _NOT_VALID if known is None else known.judge(key, now)
+
+    def good_now(self, key: str) -> ApiKeyRecord | None:
+        """The key's record when it was read lately and is good, without waiting; None
+        when ``check`` must read it, or refuses it."""
+        known = self._fresh(key)
+        if known is None:
+            return None
+        verdict = known.judge(key, None)
+        return None if isinstance(verdict, str) else verdict
+
+    def _fresh(self, key: str) -> _Known | None:
+        # A key read lately is known by its id part: its hash, compared by ``judge``,
+        # vouches for the rest, so the checksum need not be worked out first.
+        head = key[:_PREFIX_LEN]
+        cached = self._known.get(head) if len(key) == KEY_LEN else None
+        if cached is None or cached[1] <= self._clock():
+            return None
+        self._used.add(head)
+        return cached[0]
 
     async def _read(self, prefix: str) -> _Known | None:
         generation = self._generation

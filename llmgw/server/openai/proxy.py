@@ -25,7 +25,6 @@ from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import (
     JSON_TYPE,
     Answer,
-    ConnectError,
     Pool,
     UpstreamError,
     UpstreamTimeout,
@@ -65,7 +64,7 @@ class Progress(Protocol):
     def first_bytes(self) -> None:
         """The first bytes of the answer's body are about to be sent."""
 
-_ACCEPT_STREAM = b"text/event-stream"
+ACCEPT_STREAM = b"text/event-stream"
 
 
 async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
@@ -82,25 +81,15 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
     try:
         try:
             upstream = await pool.post(
-                endpoint.host, endpoint.port, path, body, _ACCEPT_STREAM if stream else JSON_TYPE,
+                endpoint.host, endpoint.port, path, body, ACCEPT_STREAM if stream else JSON_TYPE,
                 first_byte_timeout_s=gateway.first_byte_timeout_s,
                 idle_timeout_s=gateway.idle_timeout_s, content_type=content_type)
-        except ConnectError as err:
-            # Nothing was sent: another replica may take it.
-            raise Retryable(f"{lease.replica}: {err}") from None
-        except UpstreamTimeout:
-            # Not retried: the engine may still be working on it, and another replica
-            # would start the same work again.
-            raise ApiError(504, f"{lease.replica} sent nothing for "
-                           f"{gateway.first_byte_timeout_s:g} s "
-                           "(gateway.first_byte_timeout_s)", code="upstream_timeout") from None
         except UpstreamError as err:
-            raise Retryable(f"{lease.replica}: {err}") from None
+            raise no_head(err, lease.replica, gateway) from None
         try:
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
-            media_type = _content_type(upstream.headers) or JSON_TYPE
-            if stream and upstream.status == 200 and media_type.startswith(_ACCEPT_STREAM):
+            if stream and is_event_stream(upstream.status, upstream.headers):
                 await _relay(upstream, lease.replica, gateway, send, progress, usage, writer)
             else:
                 await _answer(upstream, lease.replica, gateway, send, progress, usage,
@@ -113,7 +102,56 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
         lease.release()
 
 
-def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def no_head(err: UpstreamError, replica: str, gateway: Gateway) -> Retryable | ApiError:
+    """What to do when the engine's answer broke off before its head came."""
+    if isinstance(err, UpstreamTimeout):
+        # Not retried: the engine may still be working on it, and another replica would
+        # start the same work again.
+        return ApiError(504, f"{replica} sent nothing for {gateway.first_byte_timeout_s:g} s "
+                        "(gateway.first_byte_timeout_s)", code="upstream_timeout")
+    # Nothing was answered (a refused connection, one closed before answering): another
+    # replica may take it.
+    return Retryable(f"{replica}: {err}")
+
+
+def is_event_stream(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """The answer to a streamed request is relayed as a stream (else as a whole)."""
+    media_type = content_type(headers) or JSON_TYPE
+    return status == 200 and media_type.startswith(ACCEPT_STREAM)
+
+
+def broken_answer(err: UpstreamError, replica: str, gateway: Gateway) -> ApiError:
+    """The error sent for a whole answer whose body broke off."""
+    if isinstance(err, UpstreamTimeout):
+        return ApiError(504, _silence(replica, err, gateway, "its answer"),
+                        code="upstream_timeout")
+    return ApiError(502, f"the engine of {replica} broke off its answer: {err}",
+                    code="upstream_error")
+
+
+def broken_stream(err: UpstreamError, replica: str, gateway: Gateway) -> bytes:
+    """The last event of a stream that broke off (logged)."""
+    if isinstance(err, UpstreamTimeout):
+        why = _silence(replica, err, gateway, "the stream")
+        log.warning("%s; ending the stream", why)
+        return stream_error(why, "upstream_timeout")
+    log.warning("%s broke off its stream: %s", replica, err)
+    return stream_error(f"the engine of {replica} broke off the stream", "upstream_error")
+
+
+def answer_headers(headers: list[tuple[bytes, bytes]], whole: bool
+                   ) -> list[tuple[bytes, bytes]]:
+    """The headers sent to the client for an engine's answer, but its length: its kept
+    headers, then, for a ``whole`` answer, its type where the engine gave none; for a
+    stream, a word to proxies in front not to buffer it."""
+    if not whole:
+        return [*headers, (b"x-accel-buffering", b"no")]
+    if content_type(headers) is None:
+        return [*headers, (b"content-type", JSON_TYPE)]
+    return headers
+
+
+def content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     # A loop, not next() over a generator: this runs for every answer.
     for name, value in headers:
         if name == b"content-type":
@@ -126,21 +164,15 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                   ) -> None:
     try:
         content = await upstream.read()
-    except UpstreamTimeout as err:
-        raise ApiError(504, _silence(replica, err, gateway, "its answer"),
-                       code="upstream_timeout") from None
     except UpstreamError as err:
-        raise ApiError(502, f"the engine of {replica} broke off its answer: {err}",
-                       code="upstream_error") from None
-    headers = upstream.headers
-    if _content_type(headers) is None:
-        headers = [*headers, (b"content-type", JSON_TYPE)]
+        raise broken_answer(err, replica, gateway) from None
     progress.started(upstream.status)
     if writer is not None:
         writer.hold()  # head and body in one write
     try:
         await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": [*headers, (b"content-length", str(len(content)).encode())]})
+                    "headers": [*answer_headers(upstream.headers, whole=True),
+                                (b"content-length", str(len(content)).encode())]})
         if content:
             progress.first_bytes()
         await send({"type": "http.response.body", "body": content})
@@ -160,7 +192,7 @@ async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
         writer.hold()
     try:
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [*upstream.headers, (b"x-accel-buffering", b"no")]})
+                    "headers": answer_headers(upstream.headers, whole=False)})
         await _body(upstream, replica, gateway, send, progress, usage, writer)
     finally:
         if writer is not None:
@@ -179,14 +211,8 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                                                 reader.feed if reader is not None else None))
             else:
                 await _copy(upstream, send, progress, reader)
-        except UpstreamTimeout as err:
-            why = _silence(replica, err, gateway, "the stream")
-            log.warning("%s; ending the stream", why)
-            tail = stream_error(why, "upstream_timeout")
         except UpstreamError as err:
-            log.warning("%s broke off its stream: %s", replica, err)
-            tail = stream_error(f"the engine of {replica} broke off the stream",
-                                "upstream_error")
+            tail = broken_stream(err, replica, gateway)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
         if reader is not None:

@@ -7,6 +7,7 @@ import difflib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -21,9 +22,10 @@ from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError, error_body
 from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
-from llmgw.server.openai.proxy import Progress, Retryable, forward
+from llmgw.server.openai.direct import Exchange
+from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
-from llmgw.server.openai.upstream import JSON_TYPE
+from llmgw.server.openai.upstream import JSON_TYPE, request_bytes
 from llmgw.store import ApiKeyRecord
 
 if TYPE_CHECKING:
@@ -214,16 +216,41 @@ REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt
                   "/v1/embeddings": "input"}
 
 
-def gateway_first(app: ASGIApp, state: GatewayContext) -> ASGIApp:
+# Where a request handed back by ``serve_now`` carries the replica that refused it and why,
+# for the task path's retries (a scope extension).
+_REFUSED = "llmgw.refused"
+# The endpoints whose streamed requests ``serve_now`` serves.
+_SERVED_NOW = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def gateway_first(app: ASGIApp, state: GatewayContext) -> GatewayFront:
     """The ASGI app the server runs: every POST under ``/v1`` (but ``/v1/models``) goes
-    straight to the gateway, everything else to ``app`` (Litestar).
+    straight to the gateway, everything else to ``app`` (Litestar)."""
+    return GatewayFront(app, state)
+
+
+class GatewayFront:
+    """The ASGI app the server runs (``gateway_first``).
 
     The gateway's routes are Litestar's too (other methods, and an app driven without this
     front, reach them there); their POSTs are taken here so that neither the request nor
     each streamed chunk passes through Litestar's exception middleware, router and send
-    wrapper, which the gateway does not need: it answers its own errors."""
+    wrapper, which the gateway does not need: it answers its own errors.
 
-    async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+    And on llmgw's own server (``http.CallbackRoutes``), a streamed chat or completion
+    that needs no wait before it goes to an engine (its API key read lately and without
+    limits, a replica with a free slot, an idle kept-alive connection to it) is sent from
+    the server's callback and answered from the engine connection's (``direct.Exchange``):
+    no task, no coroutine, no ASGI message for it. Every other request, and one handed
+    back before anything was written (the engine refused it), goes through the same
+    routes in a task."""
+
+    def __init__(self, app: ASGIApp, state: GatewayContext):
+        self.app = app
+        self.state = state
+        self.served_now = 0  # requests ``serve_now`` took
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
             if path.startswith("/v1/") and path != "/v1/models":
@@ -231,10 +258,71 @@ def gateway_first(app: ASGIApp, state: GatewayContext) -> ASGIApp:
                 if required is None and scope.get("raw_path"):
                     # Forwarded as the client wrote it, percent-escapes and all.
                     path = scope["raw_path"].decode("latin-1").split("?", 1)[0]
-                return await _gateway(state, scope, receive, send, path, required)
-        await app(scope, receive, send)
+                return await _gateway(self.state, scope, receive, send, path, required)
+        await self.app(scope, receive, send)
 
-    return serve
+    def claims(self, scope: Scope) -> bool:
+        return scope["method"] == "POST" and scope["path"] in _SERVED_NOW
+
+    def serve_now(self, scope: Scope, body: bytes, writer: BodyWriter,
+                  fall_back: Callable[[], None]) -> bool:
+        state = self.state
+        pool = state.upstream
+        if pool is None or writer.disconnected:
+            return False
+        headers = dict(scope["headers"])
+        record = None
+        if state.config.auth.require_api_key:
+            authorization = headers.get(b"authorization")
+            key = bearer(authorization and authorization.decode("latin-1"))
+            record = state.api_keys.good_now(key) if key is not None else None
+            if record is None or record.limits.any:
+                return False  # read, refused or limited: the task path says which
+        if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
+            return False
+        path = scope["path"]
+        try:
+            head = _parse(body, REQUIRED_FIELD[path])
+        except ApiError:
+            return False  # the task path answers it
+        model = head.model
+        if not head.stream or state.controller.catalog.get(model) is None or (
+                record is not None and record.allowed_models is not None
+                and model not in record.allowed_models):
+            return False
+        gateway = state.config.gateway
+        key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
+               if gateway.affinity else None)
+        lease = state.router.pick(model, key)
+        if lease is None:
+            return False
+        endpoint = lease.endpoint
+        answer = pool.send_now(
+            endpoint.host, endpoint.port,
+            request_bytes(endpoint.host, endpoint.port, path, body, ACCEPT_STREAM),
+            gateway.first_byte_timeout_s, gateway.idle_timeout_s)
+        if answer is None:
+            lease.release()
+            return False
+        seen = _Seen(state.metrics)
+        seen.model, seen.stream = model, True
+        metrics, kind = state.metrics, endpoint_kind(path)
+
+        def done() -> None:
+            metrics.request_done(model, kind, seen.status or 499,
+                                 time.perf_counter() - seen.began)
+
+        def hand_back(refusal: str | None) -> None:
+            if refusal is not None:
+                metrics.retry(model)
+                scope.setdefault("extensions", {})[_REFUSED] = (lease.replica, refusal)
+            fall_back()
+
+        self.served_now += 1
+        Exchange(answer, lease, gateway, writer, seen,
+                 functools.partial(state.usage.add, record.id, model) if record else None,
+                 hand_back, done)
+        return True
 
 
 async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
@@ -347,7 +435,8 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     else:
         timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
-        await _route(state, head, key, path, body, send, usage, seen, writer, content_type)
+        await _route(state, head, key, path, body, send, usage, seen, writer, content_type,
+                     extensions.get(_REFUSED) if extensions else None)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -369,10 +458,12 @@ async def _until_disconnect(receive: Receive) -> None:
 
 async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
                  send: Send, usage, progress: Progress, writer: BodyWriter | None = None,
-                 content_type: bytes = JSON_TYPE) -> None:
-    tried: set[str] = set()
-    refusals = []
-    for _ in range(_MAX_ATTEMPTS):
+                 content_type: bytes = JSON_TYPE, refused: tuple[str, str] | None = None
+                 ) -> None:
+    """``refused``: (replica, why) of a first attempt made elsewhere (GatewayFront.serve_now)."""
+    tried: set[str] = {refused[0]} if refused else set()
+    refusals = [refused[1]] if refused else []
+    for _ in range(_MAX_ATTEMPTS - len(tried)):
         try:
             lease = await state.router.acquire(head.model, key, exclude=tried)
         except Saturated as err:

@@ -44,6 +44,15 @@ def _host_header(host: str, port: int) -> bytes:
     return name + b":" + str(port).encode()
 
 
+def request_bytes(host: str, port: int, path: str, body: bytes, accept: bytes,
+                  content_type: bytes = JSON_TYPE) -> bytes:
+    """A POST of ``body`` to the engine at ``host:port``, head and body in one buffer."""
+    return b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
+                     _host_header(host, port),
+                     b"\r\ncontent-type: ", content_type, b"\r\naccept: ", accept,
+                     b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n", body))
+
+
 class UpstreamError(Exception):
     """The exchange with the engine failed. ``answered`` is False when the engine sent no
     status line, so another replica may take the request."""
@@ -85,11 +94,7 @@ class Pool:
         ``first_byte_timeout_s``); the body is read from the returned Answer, its first
         byte still under ``first_byte_timeout_s``, each wait for more after that under
         ``idle_timeout_s`` when given."""
-        head = b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
-                         _host_header(host, port),
-                         b"\r\ncontent-type: ", content_type, b"\r\naccept: ", accept,
-                         b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n"))
-        payload = head + body
+        payload = request_bytes(host, port, path, body, accept, content_type)
         for attempt in range(2):
             conn, reused = await self._connection(host, port)
             answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
@@ -110,12 +115,33 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _connection(self, host: str, port: int) -> tuple[_Connection, bool]:
+    def send_now(self, host: str, port: int, payload: bytes, first_byte_timeout_s: float,
+                 idle_timeout_s: float | None) -> Answer | None:
+        """``payload`` (``request_bytes``) sent at once on an idle kept-alive connection to
+        the engine, without waiting: its Answer, whose head comes later (``Answer.watch``
+        says when), under the same limits as ``post``. None when no idle connection is
+        there (``post`` makes one)."""
+        conn = self._idle_connection(host, port)
+        if conn is None:
+            return None
+        answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
+        conn.start(answer, payload)
+        answer._first_by = conn.loop.time() + first_byte_timeout_s
+        answer._arm_at(answer._first_by)
+        return answer
+
+    def _idle_connection(self, host: str, port: int) -> _Connection | None:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
             if conn.usable():
-                return conn, True
+                return conn
+        return None
+
+    async def _connection(self, host: str, port: int) -> tuple[_Connection, bool]:
+        conn = self._idle_connection(host, port)
+        if conn is not None:
+            return conn, True
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -164,8 +190,8 @@ class Answer:
     dropping the connection so the engine learns nobody listens."""
 
     __slots__ = ("_chunks", "_conn", "_done", "_error", "_first_by", "_first_byte_s",
-                 "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "headers",
-                 "status")
+                 "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "_watch",
+                 "_watch_due", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -180,6 +206,9 @@ class Answer:
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
+        # Called (soon, from the loop) instead of waking a waiter: see ``watch``.
+        self._watch: Callable[[], None] | None = None
+        self._watch_due = False
         # The limit the connection's alarm runs for this answer: "first_byte", "idle", or
         # None for none.
         self._limit: str | None = None
@@ -252,6 +281,19 @@ class Answer:
         returns False when whoever it writes to takes no more for now; reading from the
         engine then pauses until ``resume()``. Returns once the answer is complete; raises
         as ``chunk()`` does, the idle limit counting only while reading is not paused."""
+        self.start_pipe(sink)
+        try:
+            while not self._done and self._error is None:
+                await self._wait()
+        finally:
+            self.stop_pipe()
+        if self._error is not None:
+            raise self._error
+
+    def start_pipe(self, sink: Callable[[list[bytes]], bool]) -> None:
+        """``pipe`` without waiting, for a caller that ``watch``es the answer: the body goes
+        to ``sink`` from here on, until ``stop_pipe``; the answer is complete or failed
+        when the watch finds ``done`` or ``error``."""
         if self._chunks:  # came before there was a sink
             self._queued = 0
             chunks = list(self._chunks)
@@ -261,21 +303,40 @@ class Answer:
             else:
                 self._conn.pause()
         self._sink = sink
-        try:
-            if self._done:
-                pass  # came whole before there was a sink: nothing to time
-            elif not self._last:
-                self._arm_first()
-            elif self._idle_s is not None:
-                self._last = _monotonic()
-                self._arm(self._idle_s)
-            while not self._done and self._error is None:
-                await self._wait()
-        finally:
-            self._sink = None
-            self._disarm()
-        if self._error is not None:
-            raise self._error
+        if self._done:
+            pass  # came whole before there was a sink: nothing to time
+        elif not self._last:
+            self._arm_first()
+        elif self._idle_s is not None:
+            self._last = _monotonic()
+            self._arm(self._idle_s)
+
+    def stop_pipe(self) -> None:
+        self._sink = None
+        self._disarm()
+
+    def watch(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` from the event loop, soon after the answer moves on (its head
+        came, body came with no sink, it completed or failed), instead of waking an
+        ``await``: for a caller driven by callbacks, with no task. Called after the read
+        that moved it was handed on whole, at most once per loop pass."""
+        self._watch = callback
+
+    @property
+    def done(self) -> bool:
+        """The whole answer came."""
+        return self._done
+
+    @property
+    def error(self) -> UpstreamError | None:
+        """Why the answer broke off (a limit, the engine), or None."""
+        return self._error
+
+    @property
+    def got_nothing(self) -> bool:
+        """Not a byte of the answer came (on a kept-alive connection: it may have been
+        closed by the engine as it was picked, and the request never reached it)."""
+        return self._conn.got_nothing
 
     def resume(self) -> None:
         """Read from the engine again after a ``pipe`` sink said it was full."""
@@ -357,8 +418,19 @@ class Answer:
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+        elif self._watch is not None and not self._watch_due:
+            # Soon, not now: this may be in the middle of parsing a read whose body parts
+            # are handed on only once it is parsed.
+            self._watch_due = True
+            self._conn.loop.call_soon(self._run_watch)
+
+    def _run_watch(self) -> None:
+        self._watch_due = False
+        if self._watch is not None:
+            self._watch()
 
     def _fail(self, error: UpstreamError) -> None:
         if self._error is None and not self._done:
@@ -484,7 +556,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        # Every read of every stream: kept short.
+        # Every read of every stream: kept short, in one frame.
         answer = self.answer
         if answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
@@ -495,31 +567,29 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as err:
             # What parsed before the error is the answer's (bytes after a whole answer are
-            # the connection's fault, not the answer's).
-            self._hand_on(answer)
-            answer._fail(UpstreamError(f"the engine's answer is not valid HTTP: {err}",
-                                       answered=bool(answer.status)))
-            self.abort()
-            return
-        self._hand_on(answer)
-
-    def _hand_on(self, answer: Answer) -> None:
-        """The body's parts parsed from one read, to the answer's sink or queue, in order,
-        once the read is parsed (an end of the answer found in it only woke the answer's
-        reader, which runs after this)."""
+            # the connection's fault, not the answer's): handed on below, then it fails.
+            broken = UpstreamError(f"the engine's answer is not valid HTTP: {err}",
+                                   answered=bool(answer.status))
+        else:
+            broken = None
+        # The body's parts parsed from this read go to the answer's sink or queue, in
+        # order, once the read is parsed (an end of the answer found in it only woke the
+        # answer's reader, which runs after this).
         parts = self._parts
-        if not parts:
-            return
-        answer._last = _monotonic()
-        sink = answer._sink
-        try:
-            if sink is None:
-                for part in parts:
-                    answer._queue(part)
-            elif not sink(parts):
-                self.pause()
-        finally:
-            parts.clear()  # never handed on twice, whatever a sink does
+        if parts:
+            answer._last = _monotonic()
+            sink = answer._sink
+            try:
+                if sink is None:
+                    for part in parts:
+                        answer._queue(part)
+                elif not sink(parts):
+                    self.pause()
+            finally:
+                parts.clear()  # never handed on twice, whatever a sink does
+        if broken is not None:
+            answer._fail(broken)
+            self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True

@@ -1,0 +1,219 @@
+"""An engine's answer relayed from callbacks, with no task: the hot path of a streamed
+``/v1`` request on llmgw's own server.
+
+``proxy.forward`` relays an answer in the request's task, awaiting each step. For a
+stream, that task, its coroutines and the ASGI messages around them cost more CPU than
+relaying every event of the stream (bench/README.md). So ``routes.GatewayFront.serve_now``
+sends a streamed request that needs no wait (its key read lately, a free slot, an idle
+connection to the engine) at once, from the server's callback, and an Exchange answers it
+from the engine connection's callbacks: the head when it comes, then the body through the
+client's BodyWriter as ``pipe`` hands it on, then the end. What it says in each case
+(timeouts, an engine that breaks off, usage, metrics) is what ``proxy.forward`` says: the
+words are the same functions.
+
+An answer that another replica may still take instead (the engine refused before
+answering) goes back to the request's task path, which retries it, as long as nothing was
+written to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from llmgw.config import Gateway
+from llmgw.core.usage import StreamUsage, usage_from_body
+from llmgw.server.errors import ApiError, error_body
+from llmgw.server.http import BodyWriter
+from llmgw.server.openai.proxy import (
+    Progress,
+    Retryable,
+    UsageSink,
+    answer_headers,
+    broken_answer,
+    broken_stream,
+    is_event_stream,
+    no_head,
+    stream_error,
+)
+from llmgw.server.openai.router import Lease
+from llmgw.server.openai.upstream import JSON_TYPE, Answer, UpstreamTimeout
+
+log = logging.getLogger(__name__)
+
+
+class Exchange:
+    """One request sent to an engine, answered from callbacks until it is over.
+
+    ``fall_back(refusal)`` hands the request back to the task path before anything was
+    written: ``refusal`` says why this replica did not take it (None: not its fault, a
+    kept-alive connection the engine had closed). ``done()`` is called once the answer is
+    over, however it ended."""
+
+    __slots__ = ("_answer", "_done", "_fall_back", "_gateway", "_kept", "_lease", "_over",
+                 "_progress", "_reader", "_streaming", "_usage", "_writer")
+
+    def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
+                 progress: Progress, usage: UsageSink | None,
+                 fall_back: Callable[[str | None], None], done: Callable[[], None]):
+        self._answer = answer
+        self._lease = lease
+        self._gateway = gateway
+        self._writer = writer
+        self._progress = progress
+        self._usage = usage
+        self._fall_back = fall_back
+        self._done = done
+        self._over = False
+        self._streaming = False  # relayed as a stream; else kept whole in ``_kept``
+        self._kept: list[bytes] | None = None
+        self._reader: StreamUsage | None = None
+        answer.watch(self._step)
+        writer.on_disconnect(self._client_gone)
+
+    def _step(self) -> None:
+        if self._over:
+            return
+        try:
+            answer = self._answer
+            if self._kept is None and not self._streaming:
+                if not answer.status:
+                    if answer.error is not None:
+                        self._no_head()
+                    return
+                if not self._head():
+                    return
+            if answer.done or answer.error is not None:
+                self._end()
+        except Exception:
+            log.exception("unexpected error relaying an answer of %s", self._lease.replica)
+            self._abandon()
+
+    def _no_head(self) -> None:
+        answer = self._answer
+        err = answer.error
+        outcome = no_head(err, self._lease.replica, self._gateway)
+        if isinstance(outcome, Retryable):
+            stale = answer.got_nothing and not isinstance(err, UpstreamTimeout)
+            self._hand_back(None if stale else str(outcome))
+        else:
+            self._end_with(outcome)
+
+    def _head(self) -> bool:
+        """The head came: start the answer. False when it was handed back instead."""
+        answer, writer = self._answer, self._writer
+        if answer.status == 503:
+            self._hand_back(f"{self._lease.replica} answered 503")
+            return False
+        if not is_event_stream(answer.status, answer.headers):
+            kept = self._kept = []
+
+            def keep(chunks: list[bytes]) -> bool:
+                kept.extend(chunks)
+                return True
+
+            answer.start_pipe(keep)
+            return True
+        self._streaming = True
+        self._progress.started(200)
+        if answer.pending:
+            writer.hold()  # the first chunk came with the head: both in one write
+        writer.start(200, answer_headers(answer.headers, whole=False))
+        reader = self._reader = StreamUsage() if self._usage is not None else None
+        answer.start_pipe(writer.sink(answer.resume, self._progress.first_bytes,
+                                      reader.feed if reader is not None else None))
+        writer.release()
+        return True
+
+    def _end(self) -> None:
+        """The answer is complete, or broke off after its head."""
+        answer, writer, progress = self._answer, self._writer, self._progress
+        err = answer.error
+        if self._streaming:
+            self._over = True
+            writer.on_disconnect(None)
+            writer.finish(b"" if err is None else
+                          broken_stream(err, self._lease.replica, self._gateway))
+            self._finish()
+        elif err is not None:
+            self._end_with(broken_answer(err, self._lease.replica, self._gateway))
+        else:
+            self._over = True
+            writer.on_disconnect(None)
+            content = b"".join(self._kept)
+            progress.started(answer.status)
+            writer.hold()  # head and body in one write
+            try:
+                writer.start(answer.status, answer_headers(answer.headers, whole=True),
+                             len(content))
+                if content:
+                    progress.first_bytes()
+                writer.finish(content)
+            finally:
+                writer.release()
+            if self._usage is not None and 200 <= answer.status < 300:
+                self._usage(usage_from_body(content))
+            self._finish()
+
+    def _hand_back(self, refusal: str | None) -> None:
+        """To the task path, which tries again (nothing was written)."""
+        self._over = True
+        self._writer.on_disconnect(None)
+        self._close_upstream()
+        self._fall_back(refusal)
+
+    def _end_with(self, err: ApiError) -> None:
+        """Answer ``err``: nothing of the answer was written yet."""
+        self._over = True
+        self._writer.on_disconnect(None)
+        self._close_upstream()
+        self._write_error(err)
+        self._writer.served()
+        self._done()
+
+    def _write_error(self, err: ApiError) -> None:
+        body = error_body(err.status, err.message, code=err.code, param=err.param)
+        self._progress.started(err.status)
+        self._writer.start(err.status, [
+            (b"content-type", JSON_TYPE),
+            *((k.encode(), v.encode()) for k, v in (err.headers or {}).items())], len(body))
+        self._writer.finish(body)
+
+    def _client_gone(self) -> None:
+        if not self._over:
+            self._over = True
+            self._finish()
+
+    def _abandon(self) -> None:
+        """After a bug: the client is told, nothing is held."""
+        self._over = True
+        self._writer.on_disconnect(None)
+        try:
+            if self._streaming:
+                self._writer.finish(stream_error("internal error; the server's log has the "
+                                                 "details", "internal_error"))
+            else:
+                self._write_error(ApiError(500, "internal error; the server's log has the "
+                                           "details", code="internal_error"))
+        except Exception:
+            log.exception("could not answer after an unexpected error")
+        finally:
+            self._finish()
+
+    def _close_upstream(self) -> None:
+        """Drop the answer (its connection goes back to the pool only when read to the
+        end) and free the slot."""
+        answer = self._answer
+        answer.watch(None)
+        answer.stop_pipe()
+        answer.close()
+        self._lease.release()
+
+    def _finish(self) -> None:
+        self._close_upstream()
+        if self._reader is not None:
+            # Counted however the stream ended (broken off, or the client left): the
+            # tokens were spent.
+            self._usage(self._reader.counted())
+        self._writer.served()
+        self._done()

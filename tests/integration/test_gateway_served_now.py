@@ -1,0 +1,207 @@
+"""Streams served from callbacks (``GatewayFront.serve_now`` and ``direct.Exchange``): a
+streamed request whose replica has an idle kept-alive connection goes to the engine from
+the server's callback and is answered from the engine connection's, with no task. Each
+test first sends one request, which opens that connection, then the one it looks at, and
+checks that ``serve_now`` took it; what the client sees must be what the task path gives.
+
+In process, on loopback: the gateway's routes on llmgw's HTTP server, in front of a raw
+asyncio engine that answers each request as the test's script says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from llmgw.config import Gateway
+from tests.integration.gateway_state import engine_answering, gateway_front_in_process
+
+MODEL = "callback-model"
+EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+STREAM = EVENT * 3 + b"data: [DONE]\n\n"
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+BODY = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+Step = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | None]]
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def whole_stream(reader, writer) -> None:
+    writer.write(HEAD + b"".join(_chunked(e) for e in (EVENT,) * 3)
+                 + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+class Script:
+    """The engine: the n-th request it gets is answered by the n-th step (the last one
+    for all after it); it counts the requests."""
+
+    def __init__(self, *steps: Step):
+        self.steps = steps
+        self.requests = 0
+
+    async def __call__(self, head: bytes, body: bytes, reader, writer) -> bool | None:
+        step = self.steps[min(self.requests, len(self.steps) - 1)]
+        self.requests += 1
+        return await step(reader, writer)
+
+
+async def _post(http: aiohttp.ClientSession, url: str, **extra) -> tuple[int, bytes, dict]:
+    async with http.post(url, json={**BODY, **extra}) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
+
+
+async def _served(script: Script, gateway: Gateway | None = None):
+    """(url, front, http) with the first request sent and answered whole."""
+    stack = contextlib.AsyncExitStack()
+    port, front = await stack.enter_async_context(gateway_front_in_process(
+        MODEL, engine_answering(script), gateway))
+    http = await stack.enter_async_context(
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    status, body, _ = await _post(http, url)
+    assert (status, body) == (200, STREAM), body
+    assert front.served_now == 0  # no connection to the engine was open yet
+    return stack, url, front, http
+
+
+async def test_a_stream_on_a_kept_alive_connection_is_relayed_byte_for_byte_from_callbacks():
+    script = Script(whole_stream)
+    stack, url, front, http = await _served(script)
+    try:
+        for n in range(1, 4):
+            status, body, headers = await _post(http, url)
+            assert (status, body) == (200, STREAM), body
+            assert headers["Content-Type"] == "text/event-stream"
+            assert headers["Transfer-Encoding"] == "chunked"
+            assert front.served_now == n
+        # Not streamed: through the task, as before.
+        status, body, _ = await _post(http, url, stream=False)
+        assert status == 200 and front.served_now == 3
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+async def test_an_engine_refusing_with_503_hands_the_request_back_before_a_byte_is_sent():
+    async def refuse(reader, writer) -> None:
+        body = b'{"error": "warming up"}'
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json"
+                     b"\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+
+    script = Script(whole_stream, refuse)
+    stack, url, front, http = await _served(script)
+    try:
+        status, body, headers = await _post(http, url)
+        assert front.served_now == 1
+        # Handed back to the task path, which knew r0 refused it and had no other replica.
+        assert status == 503, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "no_ready_replica"
+        assert "r0 answered 503" in error["message"], error
+        assert headers["Retry-After"] == "5"
+        assert script.requests == 2  # not sent to r0 again
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+async def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_new_one():
+    async def hang_up(reader, writer) -> bool:
+        return False  # read the request, closed without a word
+
+    script = Script(whole_stream, hang_up, whole_stream)
+    stack, url, front, http = await _served(script)
+    try:
+        status, body, _ = await _post(http, url)
+        assert front.served_now == 1
+        assert (status, body) == (200, STREAM), body
+        assert script.requests == 3
+    finally:
+        await stack.aclose()
+
+
+async def test_a_json_answer_to_a_stream_request_is_relayed_whole():
+    answer = b'{"error": {"message": "bad temperature", "type": "invalid_request_error"}}'
+
+    async def bad_request(reader, writer) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n" + _chunked(answer[:20])
+                     + _chunked(answer[20:]) + b"0\r\n\r\n")
+
+    stack, url, front, http = await _served(Script(whole_stream, bad_request))
+    try:
+        status, body, headers = await _post(http, url)
+        assert front.served_now == 1
+        assert (status, body) == (400, answer)
+        assert headers["Content-Type"] == "application/json"
+        assert headers["Content-Length"] == str(len(answer))
+    finally:
+        await stack.aclose()
+
+
+async def test_an_engine_silent_or_gone_mid_stream_ends_it_with_an_error_event():
+    async def one_then_silence(reader, writer) -> bool:
+        writer.write(HEAD + _chunked(EVENT))
+        await reader.read()  # nothing more, until the gateway goes
+        return False
+
+    async def one_then_gone(reader, writer) -> bool:
+        writer.write(HEAD + _chunked(EVENT))
+        return False
+
+    script = Script(whole_stream, one_then_silence, whole_stream, one_then_gone)
+    stack, url, front, http = await _served(
+        script, Gateway(first_byte_timeout_s=2.0, idle_timeout_s=0.3))
+    try:
+        status, body, _ = await _post(http, url)
+        assert front.served_now == 1 and status == 200
+        assert body.startswith(EVENT), body
+        error = json.loads(body[len(EVENT) + 6:])["error"]
+        assert error["code"] == "upstream_timeout"
+        assert "nothing for 0.3 s in the middle of the stream" in error["message"], error
+
+        # The silent engine's connection was dropped: the next request opens another.
+        status, body, _ = await _post(http, url)
+        assert (status, body) == (200, STREAM) and front.served_now == 1
+        status, body, _ = await _post(http, url)
+        assert front.served_now == 2 and status == 200
+        assert body.startswith(EVENT), body
+        error = json.loads(body[len(EVENT) + 6:])["error"]
+        assert error == {"message": "the engine of r0 broke off the stream",
+                         "type": "server_error", "code": "upstream_error"}
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine():
+    loop = asyncio.get_running_loop()
+    upstream_closed = loop.create_future()
+
+    async def endless(reader, writer) -> bool:
+        writer.write(HEAD + _chunked(EVENT))
+        await reader.read()  # until the gateway closes the upstream connection
+        upstream_closed.set_result(loop.time())
+        return False
+
+    stack, url, front, http = await _served(Script(whole_stream, endless))
+    try:
+        resp = await http.post(url, json=BODY)
+        first = await resp.content.readuntil(b"\n\n")
+        assert first == EVENT and front.served_now == 1
+        assert front.state.router.in_flight() == {"r0": 1}
+        left = loop.time()
+        resp.connection.transport.abort()  # the client goes, mid-stream
+        resp.release()
+        closed = await asyncio.wait_for(upstream_closed, 5)
+        assert closed - left < 1.0
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
