@@ -69,12 +69,12 @@ class CallbackRoutes(Protocol):
     def claims(self, scope: dict) -> bool:
         """Whether ``serve_now`` may serve the request whose head is ``scope``."""
 
-    def serve_now(self, scope: dict, body: bytes, writer: BodyWriter,
+    def serve_now(self, scope: dict, body: bytearray, writer: BodyWriter,
                   fall_back: Callable[[], None]) -> bool:
         """Serve the request through ``writer`` (``start``, ``sink``, ``finish``), from
         callbacks; False to have it served as any other, through the ASGI app, now. Once
         it said True, ``fall_back`` still hands it to the app, as long as nothing of the
-        answer was written."""
+        answer was written. ``body`` is the server's own buffer: read, never changed."""
 
 
 class BodyWriter:
@@ -381,7 +381,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         cycle, app = deferred
         start = functools.partial(HttpToolsProtocol._start_asgi_task, self, cycle, app)
         try:
-            taken = app.serve_now(cycle.scope, bytes(cycle.body),
+            # The body as uvicorn keeps it (a bytearray): ``receive`` copies it only for
+            # a request the app's task serves.
+            taken = app.serve_now(cycle.scope, cycle.body,
                                   cycle.scope["extensions"][BODY_WRITER], start)
         except Exception:
             # Where it failed is not known: the client is not answered twice.

@@ -264,13 +264,22 @@ class GatewayFront:
     def claims(self, scope: Scope) -> bool:
         return scope["method"] == "POST" and scope["path"] in _SERVED_NOW
 
-    def serve_now(self, scope: Scope, body: bytes, writer: BodyWriter,
+    def serve_now(self, scope: Scope, body: bytearray, writer: BodyWriter,
                   fall_back: Callable[[], None]) -> bool:
         state = self.state
         pool = state.upstream
         if pool is None or writer.disconnected:
             return False
+        path = scope["path"]
+        try:
+            head = _parse(body, REQUIRED_FIELD[path])
+        except ApiError:
+            return False  # the task path answers it
+        if not head.stream:
+            return False  # first: a request not streamed pays for nothing more here
         headers = dict(scope["headers"])
+        if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
+            return False
         record = None
         if state.config.auth.require_api_key:
             authorization = headers.get(b"authorization")
@@ -278,15 +287,8 @@ class GatewayFront:
             record = state.api_keys.good_now(key) if key is not None else None
             if record is None or record.limits.any:
                 return False  # read, refused or limited: the task path says which
-        if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
-            return False
-        path = scope["path"]
-        try:
-            head = _parse(body, REQUIRED_FIELD[path])
-        except ApiError:
-            return False  # the task path answers it
         model = head.model
-        if not head.stream or state.controller.catalog.get(model) is None or (
+        if state.controller.catalog.get(model) is None or (
                 record is not None and record.allowed_models is not None
                 and model not in record.allowed_models):
             return False
