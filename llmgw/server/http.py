@@ -121,8 +121,20 @@ class BodyWriter:
         before this: ask ``disconnected`` first."""
         self._on_gone = callback
 
+    @property
+    def complete(self) -> bool:
+        """The response was written to its end (or its request is long gone)."""
+        cycle = self._cycle()
+        return cycle is None or cycle.response_complete
+
     def _connection_lost(self) -> None:
         self._protocol = None
+        cycle = self._cycle()
+        if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+            # uvicorn says so only to the connection's latest request; under pipelining
+            # this one may be an earlier one, still answering.
+            cycle.disconnected = True
+            cycle.message_event.set()
         callback = self._on_gone
         if callback is not None and self.disconnected:
             self._on_gone = None
@@ -344,6 +356,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _last_request = False
     _on_writable: Callable[[], None] | None = None
     _writer: BodyWriter | None = None  # the latest request's
+    # Those of earlier requests still answering (HTTP pipelining), kept to be told of a loss.
+    _earlier: tuple[BodyWriter, ...] = ()
     # A request (its cycle, and the app) whose body comes before the app serves it.
     _deferred: tuple[RequestResponseCycle, CallbackRoutes] | None = None
     # Kept-alive and waiting for a request since this loop time; None while one is served.
@@ -402,9 +416,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._keep_alive_timer = None
         self._on_writable = None
         super().connection_lost(exc)
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer._connection_lost()
+        writers = (*self._earlier, self._writer)
+        self._writer, self._earlier = None, ()
+        for writer in writers:
+            if writer is not None:
+                writer._connection_lost()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -449,6 +465,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return  # a WebSocket upgrade: no cycle was made for it
         if self._last_request:
             cycle.keep_alive = False
+        if self._writer is not None and not self._writer.complete:
+            # Pipelined behind a request still answering, which must hear of a loss too.
+            self._earlier = (*self._earlier, self._writer)
         # Read by the app once its task runs, which is after this callback.
         self._writer = BodyWriter(self, cycle)
         cycle.scope.setdefault("extensions", {})[BODY_WRITER] = self._writer
@@ -460,6 +479,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # that was busy since, it is set again for the rest of the limit, or left to the
         # next response if one is being served.
         self.server_state.total_requests += 1
+        if self._earlier:
+            self._earlier = tuple(w for w in self._earlier if not w.complete)
         if self.transport.is_closing():
             return
         self.flow.resume_reading()

@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import pytest
 
 from llmgw.config import Gateway
 from tests.integration.gateway_state import engine_answering, gateway_front_in_process
@@ -202,6 +203,56 @@ async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine(
         resp.release()
         closed = await asyncio.wait_for(upstream_closed, 5)
         assert closed - left < 1.0
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("path", ["callbacks", "task"])
+async def test_a_client_that_pipelines_and_leaves_frees_the_engine(path):
+    """The client sends its next request before the stream it waits on is over (HTTP
+    pipelining), then goes: the stream's upstream is closed, not only the latest
+    request's. (The server does not read a connection with a request queued, so it
+    learns of the loss from its next write, when the engine sends more.)"""
+    loop = asyncio.get_running_loop()
+    upstream_closed = loop.create_future()
+
+    async def endless(reader, writer) -> bool:
+        writer.write(HEAD + _chunked(EVENT))
+        gone = asyncio.ensure_future(reader.read())  # b"" once the gateway closes
+        while not gone.done():
+            writer.write(_chunked(EVENT))
+            await asyncio.wait([gone], timeout=0.05)
+        upstream_closed.set_result(loop.time())
+        return False
+
+    if path == "callbacks":
+        stack, url, front, _http = await _served(Script(whole_stream, endless))
+    else:  # no request before: no idle connection to the engine, so through the task
+        stack = contextlib.AsyncExitStack()
+        port, front = await stack.enter_async_context(gateway_front_in_process(
+            MODEL, engine_answering(Script(endless))))
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps(BODY).encode()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                   b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        writer.write(request)
+        assert (await asyncio.wait_for(reader.readuntil(EVENT), 5)).endswith(EVENT)
+        assert front.served_now == (path == "callbacks")
+        writer.write(request)  # pipelined behind the stream
+        await asyncio.sleep(0.05)
+        assert front.state.router.in_flight() == {"r0": 1}
+        left = loop.time()
+        writer.transport.abort()
+        closed = await asyncio.wait_for(upstream_closed, 5)
+        assert closed - left < 1.0
+        for _ in range(100):
+            if front.state.router.in_flight() == {"r0": 0}:
+                break
+            await asyncio.sleep(0.01)
         assert front.state.router.in_flight() == {"r0": 0}
     finally:
         await stack.aclose()
