@@ -65,6 +65,14 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers
 
+    def raw(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """Its headers and body as a server writes them (ASGI's ``send``, or a
+        BodyWriter), without Litestar."""
+        headers = [(b"content-type", b"application/json"),
+                   *((k.encode(), v.encode()) for k, v in (self.headers or {}).items())]
+        return headers, error_body(self.status, self.message, code=self.code,
+                                   param=self.param)
+
     def response(self) -> Response:
         return error_response(self.status, self.message, code=self.code, param=self.param,
                               headers=self.headers)

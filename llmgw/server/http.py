@@ -402,7 +402,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         except Exception:
             # Where it failed is not known: the client is not answered twice.
             log.exception("unexpected error serving %s %s", cycle.scope["method"],
-                             cycle.scope["path"])
+                          cycle.scope["path"])
             self.transport.close()
             return
         if not taken:

@@ -79,14 +79,15 @@ async def gateway_in_process(model: str, engine, gateway: Gateway | None = None
     """The gateway's routes on llmgw's HTTP server on loopback, in front of one replica of
     ``model``: an engine served by ``engine`` (an ``asyncio.start_server`` handler). Yields
     the server's port; stops the server, the pool and the engine after."""
-    async with gateway_front_in_process(model, engine, gateway) as (port, _):
-        yield port
+    async with gateway_front_in_process(model, engine, gateway) as running:
+        yield running.port
 
 
 @contextlib.asynccontextmanager
 async def gateway_front_in_process(model: str, engine, gateway: Gateway | None = None
-                                   ) -> AsyncIterator[tuple[int, routes.GatewayFront]]:
-    """``gateway_in_process``, yielding the app too: (port, the GatewayFront)."""
+                                   ) -> AsyncIterator[SimpleNamespace]:
+    """``gateway_in_process``, yielding the app and the server too: ``port``, ``front``
+    (the GatewayFront) and ``server``."""
     engine_server = await asyncio.start_server(engine, "127.0.0.1", 0)
     router = Router(rng=random.Random(1))
     router.update({model: [("r0", "127.0.0.1", engine_server.sockets[0].getsockname()[1])]})
@@ -96,7 +97,7 @@ async def gateway_front_in_process(model: str, engine, gateway: Gateway | None =
     server = make_server(app, sock)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        yield sock.getsockname()[1], app
+        yield SimpleNamespace(port=sock.getsockname()[1], front=app, server=server)
     finally:
         server.stop()
         await asyncio.wait_for(serving, 15)

@@ -59,22 +59,23 @@ async def _post(http: aiohttp.ClientSession, url: str, **extra) -> tuple[int, by
 
 
 async def _served(script: Script, gateway: Gateway | None = None):
-    """(url, front, http) with the first request sent and answered whole."""
+    """(stack, url, front, http, server) with the first request sent and answered whole."""
     stack = contextlib.AsyncExitStack()
-    port, front = await stack.enter_async_context(gateway_front_in_process(
+    running = await stack.enter_async_context(gateway_front_in_process(
         MODEL, engine_answering(script), gateway))
+    port, front = running.port, running.front
     http = await stack.enter_async_context(
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     status, body, _ = await _post(http, url)
     assert (status, body) == (200, STREAM), body
     assert front.served_now == 0  # no connection to the engine was open yet
-    return stack, url, front, http
+    return stack, url, front, http, running.server
 
 
 async def test_a_stream_on_a_kept_alive_connection_is_relayed_byte_for_byte_from_callbacks():
     script = Script(whole_stream)
-    stack, url, front, http = await _served(script)
+    stack, url, front, http, _ = await _served(script)
     try:
         for n in range(1, 4):
             status, body, headers = await _post(http, url)
@@ -97,7 +98,7 @@ async def test_an_engine_refusing_with_503_hands_the_request_back_before_a_byte_
                      b"\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
 
     script = Script(whole_stream, refuse)
-    stack, url, front, http = await _served(script)
+    stack, url, front, http, _ = await _served(script)
     try:
         status, body, headers = await _post(http, url)
         assert front.served_now == 1
@@ -118,7 +119,7 @@ async def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_new_one
         return False  # read the request, closed without a word
 
     script = Script(whole_stream, hang_up, whole_stream)
-    stack, url, front, http = await _served(script)
+    stack, url, front, http, _ = await _served(script)
     try:
         status, body, _ = await _post(http, url)
         assert front.served_now == 1
@@ -136,7 +137,7 @@ async def test_a_json_answer_to_a_stream_request_is_relayed_whole():
                      b"transfer-encoding: chunked\r\n\r\n" + _chunked(answer[:20])
                      + _chunked(answer[20:]) + b"0\r\n\r\n")
 
-    stack, url, front, http = await _served(Script(whole_stream, bad_request))
+    stack, url, front, http, _ = await _served(Script(whole_stream, bad_request))
     try:
         status, body, headers = await _post(http, url)
         assert front.served_now == 1
@@ -158,7 +159,7 @@ async def test_an_engine_silent_or_gone_mid_stream_ends_it_with_an_error_event()
         return False
 
     script = Script(whole_stream, one_then_silence, whole_stream, one_then_gone)
-    stack, url, front, http = await _served(
+    stack, url, front, http, _ = await _served(
         script, Gateway(first_byte_timeout_s=2.0, idle_timeout_s=0.3))
     try:
         status, body, _ = await _post(http, url)
@@ -192,7 +193,7 @@ async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine(
         upstream_closed.set_result(loop.time())
         return False
 
-    stack, url, front, http = await _served(Script(whole_stream, endless))
+    stack, url, front, http, _ = await _served(Script(whole_stream, endless))
     try:
         resp = await http.post(url, json=BODY)
         first = await resp.content.readuntil(b"\n\n")
@@ -227,12 +228,13 @@ async def test_a_client_that_pipelines_and_leaves_frees_the_engine(path):
         return False
 
     if path == "callbacks":
-        stack, url, front, _http = await _served(Script(whole_stream, endless))
+        stack, url, front, _, server = await _served(Script(whole_stream, endless))
     else:  # no request before: no idle connection to the engine, so through the task
         stack = contextlib.AsyncExitStack()
-        port, front = await stack.enter_async_context(gateway_front_in_process(
+        running = await stack.enter_async_context(gateway_front_in_process(
             MODEL, engine_answering(Script(endless))))
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        front, server = running.front, running.server
+        url = f"http://127.0.0.1:{running.port}/v1/chat/completions"
     try:
         port = int(url.split(":")[2].split("/")[0])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -243,7 +245,11 @@ async def test_a_client_that_pipelines_and_leaves_frees_the_engine(path):
         assert (await asyncio.wait_for(reader.readuntil(EVENT), 5)).endswith(EVENT)
         assert front.served_now == (path == "callbacks")
         writer.write(request)  # pipelined behind the stream
-        await asyncio.sleep(0.05)
+        for _ in range(500):  # until the server has read it: queued, not yet served
+            if any(c._earlier for c in server.server_state.connections):
+                break
+            await asyncio.sleep(0.01)
+        assert any(c._earlier for c in server.server_state.connections)
         assert front.state.router.in_flight() == {"r0": 1}
         left = loop.time()
         writer.transport.abort()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from llmgw.config import Gateway
 from llmgw.core.usage import StreamUsage, usage_from_body
-from llmgw.server.errors import ApiError, error_body
+from llmgw.server.errors import ApiError
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai.proxy import (
     Progress,
@@ -37,7 +37,7 @@ from llmgw.server.openai.proxy import (
     stream_error,
 )
 from llmgw.server.openai.router import Lease
-from llmgw.server.openai.upstream import JSON_TYPE, Answer, UpstreamTimeout
+from llmgw.server.openai.upstream import Answer, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +172,9 @@ class Exchange:
         self._done()
 
     def _write_error(self, err: ApiError) -> None:
-        body = error_body(err.status, err.message, code=err.code, param=err.param)
+        headers, body = err.raw()
         self._progress.started(err.status)
-        self._writer.start(err.status, [
-            (b"content-type", JSON_TYPE),
-            *((k.encode(), v.encode()) for k, v in (err.headers or {}).items())], len(body))
+        self._writer.start(err.status, headers, len(body))
         self._writer.finish(body)
 
     def _client_gone(self) -> None:

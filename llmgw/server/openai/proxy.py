@@ -116,7 +116,7 @@ def no_head(err: UpstreamError, replica: str, gateway: Gateway) -> Retryable | A
 
 def is_event_stream(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
     """The answer to a streamed request is relayed as a stream (else as a whole)."""
-    media_type = content_type(headers) or JSON_TYPE
+    media_type = _content_type(headers) or JSON_TYPE
     return status == 200 and media_type.startswith(ACCEPT_STREAM)
 
 
@@ -146,12 +146,12 @@ def answer_headers(headers: list[tuple[bytes, bytes]], whole: bool
     stream, a word to proxies in front not to buffer it."""
     if not whole:
         return [*headers, (b"x-accel-buffering", b"no")]
-    if content_type(headers) is None:
+    if _content_type(headers) is None:
         return [*headers, (b"content-type", JSON_TYPE)]
     return headers
 
 
-def content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     # A loop, not next() over a generator: this runs for every answer.
     for name, value in headers:
         if name == b"content-type":

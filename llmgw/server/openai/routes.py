@@ -19,7 +19,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.core.routing import affinity_key
 from llmgw.server.auth import bearer
-from llmgw.server.errors import ApiError, error_body
+from llmgw.server.errors import ApiError
 from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.direct import Exchange
@@ -150,9 +150,14 @@ async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
     return record
 
 
+def _may_use(catalog, name: str, allowed: list[str] | None) -> bool:
+    """The model is declared, and the key (``allowed``: its models, None for all) may use it."""
+    return catalog.get(name) is not None and (allowed is None or name in allowed)
+
+
 def _model_or_404(state, name: str, allowed: list[str] | None) -> None:
     catalog = state.controller.catalog
-    if catalog.get(name) is not None and (allowed is None or name in allowed):
+    if _may_use(catalog, name, allowed):
         return
     visible = [m for m in catalog.names() if allowed is None or m in allowed]
     if catalog.get(name) is not None:
@@ -188,11 +193,9 @@ async def _body(receive: Receive) -> bytes:
 
 
 async def _send_error(send: Send, err: ApiError) -> None:
-    headers = [(b"content-type", b"application/json"),
-               *((k.encode(), v.encode()) for k, v in (err.headers or {}).items())]
+    headers, body = err.raw()
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body",
-                "body": error_body(err.status, err.message, code=err.code, param=err.param)})
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass(slots=True, eq=False)
@@ -288,10 +291,9 @@ class GatewayFront:
             if record is None or record.limits.any:
                 return False  # read, refused or limited: the task path says which
         model = head.model
-        if state.controller.catalog.get(model) is None or (
-                record is not None and record.allowed_models is not None
-                and model not in record.allowed_models):
-            return False
+        if not _may_use(state.controller.catalog, model,
+                        record.allowed_models if record is not None else None):
+            return False  # the task path says why
         gateway = state.config.gateway
         key = (affinity_key(bytes(head.user), bytes(head.messages) or bytes(head.prompt))
                if gateway.affinity else None)

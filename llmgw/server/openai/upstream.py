@@ -126,8 +126,7 @@ class Pool:
             return None
         answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
         conn.start(answer, payload)
-        answer._first_by = conn.loop.time() + first_byte_timeout_s
-        answer._arm_at(answer._first_by)
+        answer._arm_head()
         return answer
 
     def _idle_connection(self, host: str, port: int) -> _Connection | None:
@@ -229,8 +228,7 @@ class Answer:
     async def headers_done(self) -> None:
         if self.status:
             return
-        self._first_by = self._conn.loop.time() + self._first_byte_s
-        self._arm_at(self._first_by)
+        self._arm_head()
         try:
             await self._wait()
         finally:
@@ -372,6 +370,11 @@ class Answer:
         """The first-byte limit, at loop time ``when``."""
         self._limit = "first_byte"
         self._conn.alarm(when, self._expired)
+
+    def _arm_head(self) -> None:
+        """The request was sent: its first byte is due within the first-byte limit."""
+        self._first_by = self._conn.loop.time() + self._first_byte_s
+        self._arm_at(self._first_by)
 
     def _arm_first(self) -> None:
         """Head in, none of the body yet: ring at the first-byte deadline, or sooner, after
