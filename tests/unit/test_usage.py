@@ -274,6 +274,18 @@ def test_usage_is_read_from_the_streams_last_lines_only() -> None:
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
+def test_the_usage_counts_on_the_last_lines_only(eol: bytes) -> None:
+    # The usage line, then ``after`` blank lines: it is among the last TAIL_LINES lines (its
+    # own line end and those after it fewer than TAIL_LINES) or not taken.
+    usage = b"data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 2,
+                                                             "completion_tokens": 1}}).encode()
+    for after in range(TAIL_LINES + 2):
+        stream = sse(delta("x"), done=False, eol=eol) + usage + eol * (1 + after)
+        found = feed_in(stream, [len(stream) // 3])
+        assert found == (Usage(2, 1) if 1 + after < TAIL_LINES else None), after
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
 def test_a_long_stream_with_any_line_ending_finds_its_usage(eol: bytes) -> None:
     reader = StreamUsage()
     for n in range(3000):  # more than the tail keeps
