@@ -129,6 +129,36 @@ async def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_new_one
         await stack.aclose()
 
 
+async def test_events_that_come_with_the_end_of_a_stream_are_relayed_and_timed():
+    # The read that ends an answer is written with the end: here it holds every event, so
+    # it is also the stream's first body, which the time-to-first-byte metric must see.
+    rest = asyncio.Event()
+
+    async def head_then_everything(reader, writer) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        await rest.wait()  # the client has the head: the gateway read it on its own
+        writer.write(b"".join(_chunked(e) for e in (EVENT,) * 3)
+                     + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    script = Script(whole_stream, head_then_everything)
+    stack, url, front, http, _ = await _served(script)
+    registry = front.state.metrics.registry
+    firsts = {"model": MODEL}
+    try:
+        before = registry.get_sample_value("llmgw_time_to_first_byte_seconds_count", firsts)
+        async with http.post(url, json=BODY) as resp:
+            assert resp.status == 200 and front.served_now == 1
+            rest.set()
+            body = await resp.read()
+        assert body == STREAM
+        assert registry.get_sample_value("llmgw_time_to_first_byte_seconds_count",
+                                         firsts) == before + 1
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
 async def test_a_json_answer_to_a_stream_request_is_relayed_whole():
     answer = b'{"error": {"message": "bad temperature", "type": "invalid_request_error"}}'
 

@@ -51,7 +51,7 @@ class Exchange:
     over, however it ended."""
 
     __slots__ = ("_answer", "_done", "_fall_back", "_gateway", "_kept", "_lease", "_over",
-                 "_progress", "_reader", "_streaming", "_usage", "_writer")
+                 "_progress", "_reader", "_relayed", "_streaming", "_usage", "_writer")
 
     def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
                  progress: Progress, usage: UsageSink | None,
@@ -68,6 +68,7 @@ class Exchange:
         self._streaming = False  # relayed as a stream; else kept whole in ``_kept``
         self._kept: list[bytes] | None = None
         self._reader: StreamUsage | None = None
+        self._relayed = False  # some of a stream's body was written
         answer.watch(self._step)
         writer.on_disconnect(self._client_gone)
 
@@ -120,27 +121,34 @@ class Exchange:
             writer.hold()  # the first chunk came with the head: both in one write
         writer.start(200, answer_headers(answer.headers, whole=False))
         reader = self._reader = StreamUsage() if self._usage is not None else None
-        answer.start_pipe(writer.sink(answer.resume, self._progress.first_bytes,
+        answer.start_pipe(writer.sink(answer.resume, self._first_bytes,
                                       reader.feed if reader is not None else None))
         writer.release()
         return True
 
     def _end(self) -> None:
-        """The answer is complete, or broke off after its head."""
+        """The answer is complete, or broke off after its head. The read that ended it is
+        still pending (``Answer.take``): written here with the end, in one write."""
         answer, writer, progress = self._answer, self._writer, self._progress
         err = answer.error
+        last = answer.take() if answer.pending else b""
         if self._streaming:
             self._over = True
             writer.on_disconnect(None)
-            writer.finish(b"" if err is None else
-                          broken_stream(err, self._lease.replica, self._gateway))
+            if last:
+                if not self._relayed:
+                    self._first_bytes()
+                if self._reader is not None:
+                    self._reader.feed([last])
+            writer.finish(last if err is None else
+                          last + broken_stream(err, self._lease.replica, self._gateway))
             self._finish()
         elif err is not None:
             self._end_with(broken_answer(err, self._lease.replica, self._gateway))
         else:
             self._over = True
             writer.on_disconnect(None)
-            content = b"".join(self._kept)
+            content = b"".join(self._kept) + last
             progress.started(answer.status)
             writer.hold()  # head and body in one write
             try:
@@ -154,6 +162,10 @@ class Exchange:
             if self._usage is not None and 200 <= answer.status < 300:
                 self._usage(usage_from_body(content))
             self._finish()
+
+    def _first_bytes(self) -> None:
+        self._relayed = True
+        self._progress.first_bytes()
 
     def _hand_back(self, refusal: str | None) -> None:
         """To the task path, which tries again (nothing was written)."""

@@ -341,6 +341,12 @@ class Answer:
         if self._conn.paused:
             self._conn.resume()
 
+    def take(self) -> bytes:
+        """What came and was not handed on yet (``pending``), taken: after a ``watch`` found
+        the answer ``done``, the last read's part of the body."""
+        self._queued = 0
+        return self._drain()
+
     def _drain(self) -> bytes:
         data = b"".join(self._chunks)
         self._chunks.clear()
@@ -420,42 +426,59 @@ class Answer:
     # --- fed by the connection ------------------------------------------------------------
 
     def _wake(self) -> None:
+        """The answer moved on outside a read from the engine (a limit rang, the connection
+        was lost): its waiter is woken, or its watch run soon, from the loop."""
+        if self._waiter is None and self._watch is not None and not self._watch_due:
+            self._watch_due = True
+            self._conn.loop.call_soon(self._run_watch)
+        else:
+            self._moved()
+
+    def _moved(self) -> None:
+        """The answer moved on in the middle of a read: its waiter is woken (it runs after
+        the read anyway), or its watch marked due, for ``_Connection.data_received`` to run
+        once the read is handed on whole: no loop callback in between."""
         waiter = self._waiter
         if waiter is not None:
             if not waiter.done():
                 waiter.set_result(None)
-        elif self._watch is not None and not self._watch_due:
-            # Soon, not now: this may be in the middle of parsing a read whose body parts
-            # are handed on only once it is parsed.
+        elif self._watch is not None:
             self._watch_due = True
-            self._conn.loop.call_soon(self._run_watch)
 
     def _run_watch(self) -> None:
-        self._watch_due = False
-        if self._watch is not None:
-            self._watch()
+        if self._watch_due:  # not already run by the read that made it due again
+            self._watch_due = False
+            if self._watch is not None:
+                self._watch()
 
-    def _fail(self, error: UpstreamError) -> None:
+    def _fail(self, error: UpstreamError, in_read: bool = False) -> None:
         if self._error is None and not self._done:
             self._error = error
-            self._wake()
+            if in_read:
+                self._moved()
+            else:
+                self._wake()
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.headers = headers
-        self._wake()
+        self._moved()
 
     def _queue(self, data: bytes) -> None:
-        """Body data with no ``pipe`` sink yet: kept for ``chunk``/``read``/``pipe``."""
+        """Body data with no ``pipe`` sink yet (or the last read's, for a watch): kept for
+        ``chunk``/``read``/``pipe``/``take``."""
         self._chunks.append(data)
         self._queued += len(data)
         if self._queued > _HIGH_WATER:
             self._conn.pause()
-        self._wake()
+        self._moved()
 
-    def _complete(self) -> None:
+    def _complete(self, in_read: bool = False) -> None:
         self._done = True
-        self._wake()
+        if in_read:
+            self._moved()
+        else:
+            self._wake()
 
 
 class _Connection(asyncio.Protocol):
@@ -577,22 +600,26 @@ class _Connection(asyncio.Protocol):
             broken = None
         # The body's parts parsed from this read go to the answer's sink or queue, in
         # order, once the read is parsed (an end of the answer found in it only woke the
-        # answer's reader, which runs after this).
+        # answer's reader, which runs after this). The read that ends an answer someone
+        # watches is queued instead: the watch ends the answer with it, in one write.
         parts = self._parts
-        if parts:
-            answer._last = _monotonic()
-            sink = answer._sink
-            try:
-                if sink is None:
+        try:
+            if parts:
+                answer._last = _monotonic()
+                sink = answer._sink
+                if sink is None or (answer._done and answer._watch is not None):
                     for part in parts:
                         answer._queue(part)
                 elif not sink(parts):
                     self.pause()
-            finally:
-                parts.clear()  # never handed on twice, whatever a sink does
-        if broken is not None:
-            answer._fail(broken)
-            self.abort()
+        finally:
+            parts.clear()  # never handed on twice, whatever a sink does
+            if broken is not None:
+                answer._fail(broken, in_read=True)
+                self.abort()
+            if answer._watch_due:
+                # Last: the watch may end the answer and hand this connection on.
+                answer._run_watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -627,4 +654,4 @@ class _Connection(asyncio.Protocol):
         self.answer._head(parser.get_status_code(), self._headers)
 
     def on_message_complete(self) -> None:
-        self.answer._complete()
+        self.answer._complete(in_read=True)
