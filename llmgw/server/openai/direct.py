@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 
 from llmgw.config import Gateway
-from llmgw.core.usage import StreamUsage, usage_from_body
+from llmgw.core.usage import StreamUsage
 from llmgw.server.errors import ApiError
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai.proxy import (
@@ -35,6 +35,7 @@ from llmgw.server.openai.proxy import (
     is_event_stream,
     no_head,
     stream_error,
+    write_whole,
 )
 from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import Answer, UpstreamTimeout
@@ -148,19 +149,8 @@ class Exchange:
         else:
             self._over = True
             writer.on_disconnect(None)
-            content = b"".join(self._kept) + last
-            progress.started(answer.status)
-            writer.hold()  # head and body in one write
-            try:
-                writer.start(answer.status, answer_headers(answer.headers, whole=True),
-                             len(content))
-                if content:
-                    progress.first_bytes()
-                writer.finish(content)
-            finally:
-                writer.release()
-            if self._usage is not None and 200 <= answer.status < 300:
-                self._usage(usage_from_body(content))
+            write_whole(writer, answer.status, answer.headers,
+                        b"".join(self._kept) + last, progress, self._usage)
             self._finish()
 
     def _first_bytes(self) -> None:

@@ -166,20 +166,37 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
         content = await upstream.read()
     except UpstreamError as err:
         raise broken_answer(err, replica, gateway) from None
-    progress.started(upstream.status)
     if writer is not None:
-        writer.hold()  # head and body in one write
+        write_whole(writer, upstream.status, upstream.headers, content, progress, usage)
+        return
+    progress.started(upstream.status)
+    await send({"type": "http.response.start", "status": upstream.status,
+                "headers": [*answer_headers(upstream.headers, whole=True),
+                            (b"content-length", str(len(content)).encode())]})
+    if content:
+        progress.first_bytes()
+    await send({"type": "http.response.body", "body": content})
+    _count_whole(upstream.status, content, usage)
+
+
+def write_whole(writer: BodyWriter, status: int, headers: list[tuple[bytes, bytes]],
+                content: bytes, progress: Progress, usage: UsageSink | None) -> None:
+    """An engine's whole answer (``status``, its ``headers``, ``content``) written to the
+    client at once, head and body in one write, from a task or from a callback."""
+    progress.started(status)
+    writer.hold()
     try:
-        await send({"type": "http.response.start", "status": upstream.status,
-                    "headers": [*answer_headers(upstream.headers, whole=True),
-                                (b"content-length", str(len(content)).encode())]})
+        writer.start(status, answer_headers(headers, whole=True), len(content))
         if content:
             progress.first_bytes()
-        await send({"type": "http.response.body", "body": content})
+        writer.finish(content)
     finally:
-        if writer is not None:
-            writer.release()
-    if usage is not None and 200 <= upstream.status < 300:
+        writer.release()
+    _count_whole(status, content, usage)
+
+
+def _count_whole(status: int, content: bytes, usage: UsageSink | None) -> None:
+    if usage is not None and 200 <= status < 300:
         usage(usage_from_body(content))
 
 
