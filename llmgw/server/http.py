@@ -85,10 +85,9 @@ class BodyWriter:
     that a response's head and body leave in one packet. Offered to the app as the ASGI
     extension BODY_WRITER.
 
-    ``write`` is for a chunked response only, between an ``http.response.start`` and the
-    last ``http.response.body`` (``more_body`` false), both still sent through ``send``,
-    which keeps uvicorn's account of the response (keep-alive, the next pipelined
-    request)."""
+    ``write`` is for a chunked response only, between its start and its end: each sent
+    through ``send``, or written with ``start`` and ``finish``, which keep uvicorn's
+    account of the response as ``send`` does (keep-alive, the next pipelined request)."""
 
     __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_streaming",
                  "_transport")

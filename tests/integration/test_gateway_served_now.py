@@ -159,6 +159,27 @@ async def test_events_that_come_with_the_end_of_a_stream_are_relayed_and_timed()
         await stack.aclose()
 
 
+async def test_an_engine_switching_protocols_is_refused_on_either_path():
+    async def switch(reader, writer) -> None:
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n"
+                     b"connection: upgrade\r\n\r\n")
+
+    stack, url, front, http, _ = await _served(Script(whole_stream, switch))
+    try:
+        # First from callbacks (on the connection the first request left open), handed
+        # back to the task path; then through the task path alone (that connection was
+        # dropped). Neither relays the 101 or waits for ever.
+        for _ in range(2):
+            status, body, _ = await _post(http, url)
+            assert status == 503, body
+            error = json.loads(body)["error"]
+            assert "r0: the engine answered by switching protocols (101)" in error["message"]
+            assert front.served_now == 1
+            assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
 async def test_a_json_answer_to_a_stream_request_is_relayed_whole():
     answer = b'{"error": {"message": "bad temperature", "type": "invalid_request_error"}}'
 

@@ -16,6 +16,7 @@ from llmgw.server.openai.upstream import (
     Pool,
     UpstreamError,
     UpstreamTimeout,
+    request_bytes,
 )
 
 OK = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-other: dropped\r\n"
@@ -84,6 +85,37 @@ async def test_requests_reuse_one_keep_alive_connection_and_keep_only_known_head
         assert b"post /v1/chat/completions http/1.1" in head
         assert b"content-length: 13" in head and b"accept: application/json" in head
         assert engine.requests[0].endswith(b'{"model":"m"}')
+    await pool.close()
+
+
+async def test_a_watch_that_raises_is_logged_and_its_connection_kept(caplog):
+    # A watch runs at the end of the engine connection's read: a bug in it is the
+    # watcher's, not the connection's, which stays usable.
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(_ok) as engine:
+        answer = await _post(pool, engine.port)
+        await answer.read()
+        answer.close()  # one idle kept-alive connection
+        answer = pool.send_now("127.0.0.1", engine.port,
+                               request_bytes("127.0.0.1", engine.port, "/v1/chat/completions",
+                                             b'{"model":"m"}', b"application/json"), 5, 5)
+        assert answer is not None
+        ran = asyncio.Event()
+
+        def broken_watch() -> None:
+            ran.set()
+            raise RuntimeError("a bug in the watch")
+
+        answer.watch(broken_watch)
+        await asyncio.wait_for(ran.wait(), 5)
+        assert answer.done and answer.error is None
+        assert answer.take() == b'{"ok":true}'  # the read that ended it, left for the watch
+        answer.close()
+        again = await _post(pool, engine.port)
+        assert (again.status, await again.read()) == (200, b'{"ok":true}')
+        again.close()
+        assert engine.connections == 1
+        assert "unexpected error in the watch of an answer" in caplog.text
     await pool.close()
 
 

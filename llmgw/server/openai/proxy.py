@@ -1,12 +1,12 @@
 """Forwarding one request to an engine, and writing its answer to the client, stream or not.
 
 The client's body is forwarded exactly as sent; only ``model`` and ``stream`` were read
-to route it. The answer is written straight to the ASGI ``send`` of the client's request;
-a streamed answer chunk by chunk as the engine writes it, never buffered: from the engine
-connection's callback through the server's BodyWriter where it offers one (llmgw's own
-server does), else through ``send``. Cancelling the
-task that forwards (the route does when the client goes away) closes the upstream
-connection, so the engine stops generating for nobody.
+to route it. The answer is written through the server's BodyWriter where it offers one
+(llmgw's own server does): a whole answer at once (``write_whole``), a streamed one chunk
+by chunk as the engine writes it, from the engine connection's callback, never buffered.
+Under another server it goes through the request's ASGI ``send``. Cancelling the task
+that forwards (the route does when the client goes away) closes the upstream connection,
+so the engine stops generating for nobody.
 """
 
 from __future__ import annotations

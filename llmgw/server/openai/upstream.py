@@ -18,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 from collections.abc import Callable
 from time import monotonic as _monotonic
 
 import httptools
+
+log = logging.getLogger(__name__)
 
 # Passed on from the engine's answer; everything else (hop-by-hop, lengths) is ours.
 KEPT_HEADERS = frozenset({b"content-type", b"cache-control"})
@@ -205,7 +208,7 @@ class Answer:
         self._done = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
-        # Called (soon, from the loop) instead of waking a waiter: see ``watch``.
+        # Called instead of waking a waiter: see ``watch``.
         self._watch: Callable[[], None] | None = None
         self._watch_due = False
         # The limit the connection's alarm runs for this answer: "first_byte", "idle", or
@@ -314,10 +317,11 @@ class Answer:
         self._disarm()
 
     def watch(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback`` from the event loop, soon after the answer moves on (its head
-        came, body came with no sink, it completed or failed), instead of waking an
-        ``await``: for a caller driven by callbacks, with no task. Called after the read
-        that moved it was handed on whole, at most once per loop pass."""
+        """Call ``callback`` when the answer moves on (its head came, body came with no
+        sink, it completed or failed), instead of waking an ``await``: for a caller driven
+        by callbacks, with no task. Called by the connection once the read that moved it
+        was handed on whole (the read that completes the answer is left ``pending`` for
+        it: ``take``), or soon from the loop for a limit or a lost connection."""
         self._watch = callback
 
     @property
@@ -508,6 +512,7 @@ class _Connection(asyncio.Protocol):
         self._framed = False  # the answer says where its body ends
         self._keep_alive = False
         self._until_eof = False
+        self._upgraded = False  # the answer was a switch of protocols
 
     def usable(self) -> bool:
         return not self._lost and self.transport is not None and \
@@ -596,6 +601,10 @@ class _Connection(asyncio.Protocol):
             # the connection's fault, not the answer's): handed on below, then it fails.
             broken = UpstreamError(f"the engine's answer is not valid HTTP: {err}",
                                    answered=bool(answer.status))
+        except httptools.HttpParserUpgrade:
+            # A 101: its head was kept from the answer (on_headers_complete).
+            broken = UpstreamError("the engine answered by switching protocols (101), "
+                                   "which llmgw does not relay", answered=False)
         else:
             broken = None
         # The body's parts parsed from this read go to the answer's sink or queue, in
@@ -618,8 +627,13 @@ class _Connection(asyncio.Protocol):
                 answer._fail(broken, in_read=True)
                 self.abort()
             if answer._watch_due:
-                # Last: the watch may end the answer and hand this connection on.
-                answer._run_watch()
+                # Last: the watch may end the answer and hand this connection on. What it
+                # raises is logged, as the loop would a callback's: this connection is
+                # not at fault.
+                try:
+                    answer._run_watch()
+                except Exception:
+                    log.exception("unexpected error in the watch of an answer")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -647,6 +661,11 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        if parser.should_upgrade():
+            # A switch of protocols (101) is no answer to relay: the answer never sees
+            # it, and the read fails (data_received).
+            self._upgraded = True
+            return
         # Read here: after the message, llhttp no longer says.
         self._keep_alive = parser.should_keep_alive()
         # Neither a length nor chunks: the body runs to the end of the connection.
@@ -654,4 +673,5 @@ class _Connection(asyncio.Protocol):
         self.answer._head(parser.get_status_code(), self._headers)
 
     def on_message_complete(self) -> None:
-        self.answer._complete(in_read=True)
+        if not self._upgraded:
+            self.answer._complete(in_read=True)
