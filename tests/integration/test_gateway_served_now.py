@@ -14,11 +14,15 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 import aiohttp
 import pytest
 
 from llmgw.config import Gateway
+from llmgw.server.auth import KeyCache, create_api_key
+from llmgw.server.openai.usage import UsageRecorder
+from llmgw.store import open_store, sqlite_url
 from tests.integration.gateway_state import engine_answering, gateway_front_in_process
 
 MODEL = "callback-model"
@@ -155,6 +159,49 @@ async def test_events_that_come_with_the_end_of_a_stream_are_relayed_and_timed()
         assert registry.get_sample_value("llmgw_time_to_first_byte_seconds_count",
                                          firsts) == before + 1
         assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+async def test_usage_in_the_read_that_ends_a_stream_is_counted_for_the_key(tmp_path):
+    # The engine's usage comes in the read that ends the stream, which the callback path
+    # writes with the end: the key must still be charged what the engine reported.
+    usage = (b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7,'
+             b'"total_tokens":12}}\n\n')
+    rest = asyncio.Event()
+
+    async def usage_at_the_end(reader, writer) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        await rest.wait()
+        writer.write(_chunked(EVENT) + _chunked(usage) + _chunked(b"data: [DONE]\n\n")
+                     + b"0\r\n\r\n")
+
+    store = await open_store(sqlite_url(tmp_path / "llmgw.db"))
+    key, record = await create_api_key(store, "ci")
+    stack = contextlib.AsyncExitStack()
+    stack.push_async_callback(store.close)
+    try:
+        running = await stack.enter_async_context(gateway_front_in_process(
+            MODEL, engine_answering(Script(whole_stream, usage_at_the_end))))
+        state, front = running.front.state, running.front
+        state.config.auth.require_api_key = True
+        state.api_keys = KeyCache(store, 60.0)
+        state.usage = recorder = UsageRecorder(store)
+        http = await stack.enter_async_context(aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=10),
+            headers={"authorization": f"Bearer {key}"}))
+        url = f"http://127.0.0.1:{running.port}/v1/chat/completions"
+        status, body, _ = await _post(http, url)  # the task path: reads the key, opens
+        assert (status, body) == (200, STREAM)    # the connection
+        async with http.post(url, json=BODY) as resp:
+            assert resp.status == 200 and front.served_now == 1
+            rest.set()
+            assert await resp.read() == EVENT + usage + b"data: [DONE]\n\n"
+        await recorder.flush()
+        used = await store.usage_counts(record.id, datetime.now(UTC))
+        # The first stream reported nothing: its 4 events count as 4 completion tokens.
+        assert used.tokens_this_minute == 4 + 12
     finally:
         await stack.aclose()
 
