@@ -282,6 +282,9 @@ _EVENT_LF = b"\n" + _FIRST_EVENT
 _EVENT_CR = b"\r" + _FIRST_EVENT
 # What may follow the usage line and still be found: `data: [DONE]` and the like.
 AFTER_USAGE_BYTES = 4096
+# What a relay hands to `StreamUsage.pending` before it calls `settle`: with the buffer's
+# limit, what a stream's usage reading holds at most (and one read more).
+SETTLE_BYTES = 64 * 1024
 # Lines looked at from the end of a stream for the usage, blank and `event:` lines included.
 TAIL_LINES = 16
 
@@ -293,30 +296,51 @@ class StreamUsage:
     Engines report it in the stream's last lines: in the last event before `data: [DONE]`
     (OpenAI's ``stream_options.include_usage``; llama.cpp's server, vLLM and SGLang when
     asked), as running totals in every event (vLLM's continuous usage stats), or in the
-    Responses API's closing event. So nothing is read while the stream runs: `feed`
-    appends the stream's bytes to one buffer, cut back to its last ``max_line +
-    AFTER_USAGE_BYTES`` bytes once it is twice that, and `end` looks in the last
-    `TAIL_LINES` lines of it, newest first: the first ``data:`` line that mentions
-    ``"usage"`` and holds a usage wins. A line longer than `max_line` is skipped. (OpenAI's
-    own streams, asked for usage, name ``"usage": null`` in every event: read per chunk,
-    each was a JSON document decoded.)
+    Responses API's closing event. So nothing is read while the stream runs: the stream's
+    bytes go to one buffer, cut back to its last ``max_line + AFTER_USAGE_BYTES`` bytes
+    once it is twice that, and `end` looks in the last `TAIL_LINES` lines of it, newest
+    first: the first ``data:`` line that mentions ``"usage"`` and holds a usage wins. A
+    line longer than `max_line` is skipped. (OpenAI's own streams, asked for usage, name
+    ``"usage": null`` in every event: read per chunk, each was a JSON document decoded.)
+
+    Two ways in: `feed`, or, for a relay that hands on every read of a stream, the list
+    `pending`, extended with each read's chunks (a list's ``extend``: no Python call per
+    read) and taken into the buffer by `settle`, which the relay calls once at least
+    `SETTLE_BYTES` came since the last time, so that the memory a stream holds stays
+    bounded. `events`, `end` and `counted` settle first.
     """
 
-    __slots__ = ("_bound", "_cut", "_events", "_limit", "_max_line", "_tail")
+    __slots__ = ("_bound", "_cut", "_events", "_limit", "_max_line", "_tail", "pending")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
         self._bound = max_line + AFTER_USAGE_BYTES
         self._limit = 2 * self._bound
-        self._tail = bytearray()
+        self._tail: bytes | bytearray = b""
         self._cut = False  # the front of the stream was dropped from `tail`
         self._events = 0  # events in what was dropped
+        self.pending: list[bytes] = []  # the stream's chunks not yet settled, in order
 
     def feed(self, chunks: list[bytes]) -> None:
         """The stream's next chunks, in order (a list: what one read brought)."""
+        self.pending += chunks
+        self.settle()
+
+    def settle(self) -> None:
+        """Take the chunks in `pending` into the buffer, in one copy. Into an empty buffer
+        they go as they are: a stream under `SETTLE_BYTES` is copied once, at its end."""
+        pending = self.pending
+        if not pending:
+            return
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
         tail = self._tail
-        for chunk in chunks:
-            tail += chunk
+        if not tail:
+            self._tail = tail = data
+        else:
+            if type(tail) is bytes:
+                self._tail = tail = bytearray(tail)  # from now on grown in place
+            tail += data
         if len(tail) > self._limit:
             self._trim()
 
@@ -327,6 +351,8 @@ class StreamUsage:
         cut = len(tail) - self._bound
         if cut <= 0:
             return
+        if type(tail) is bytes:
+            self._tail = tail = bytearray(tail)
         # At the last line end before that, which is kept: an event's line end and
         # ``data:`` are then dropped or kept together. Not if that keeps too much (a long
         # line): no line ends between there and ``cut``, so no event begins there either.
@@ -343,6 +369,7 @@ class StreamUsage:
 
     def events(self) -> int:
         """The ``data:`` lines the stream has had (an event is one, as engines write them)."""
+        self.settle()
         tail = self._tail
         return (self._events + _events_in(tail, 0, len(tail))
                 + (not self._cut and tail.startswith(_FIRST_EVENT)))
@@ -352,6 +379,7 @@ class StreamUsage:
         reported, or None."""
         # Found by its key, then judged by its line: this runs at the end of every stream,
         # most of which hold no usage at all. Lines end with LF, CRLF or a lone CR.
+        self.settle()
         data = self._tail
         at = data.rfind(_USAGE)
         while at >= 0:
@@ -384,7 +412,7 @@ class StreamUsage:
         return found
 
 
-def _events_in(data: bytearray, start: int, end: int) -> int:
+def _events_in(data: bytes | bytearray, start: int, end: int) -> int:
     """The ``data:`` lines that begin after a line end in ``data[start:end]``. A lone CR
     ends a line too, but is looked for only where there is one: most streams have none,
     and each count is a scan of the whole tail (a few µs at every stream's end)."""
@@ -394,7 +422,7 @@ def _events_in(data: bytearray, start: int, end: int) -> int:
     return events
 
 
-def _line_end(data: bytearray, at: int) -> int:
+def _line_end(data: bytes | bytearray, at: int) -> int:
     """Where the line holding ``data[at]`` ends: at its LF or CR, or the end of ``data``."""
     lf = data.find(b"\n", at)
     if lf < 0:
@@ -403,7 +431,7 @@ def _line_end(data: bytearray, at: int) -> int:
     return lf if cr < 0 else cr
 
 
-def _line_start(data: bytearray, at: int) -> int:
+def _line_start(data: bytes | bytearray, at: int) -> int:
     """Where the line holding ``data[at]`` begins."""
     lf = data.rfind(b"\n", 0, at) + 1
     return max(lf, data.rfind(b"\r", lf, at) + 1)

@@ -39,6 +39,8 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from llmgw.core.usage import SETTLE_BYTES, StreamUsage
+
 log = logging.getLogger(__name__)
 
 # The request line and headers together; a body is bounded by the routes that read it.
@@ -246,14 +248,13 @@ class BodyWriter:
         return not self._flow.write_paused
 
     def sink(self, resume: Callable[[], None], on_first: Callable[[], None],
-             tap: Callable[[list[bytes]], None] | None = None
-             ) -> Callable[[list[bytes]], bool]:
+             usage: StreamUsage | None = None) -> Callable[[list[bytes]], bool]:
         """A function for an upstream ``Answer.pipe`` to hand a stream's chunks to, in the
         started chunked response, a list at a time (what one read from the engine
-        brought): the list is given to ``tap`` (if any), then its chunks are written as
-        ``write`` does, all in one write. It returns False when the client takes no more
-        for now, and then calls ``resume`` once the client's connection drains.
-        ``on_first`` is called before the first chunk.
+        brought): the chunks go to ``usage`` (if any, settled every SETTLE_BYTES), then
+        are written as ``write`` does, all in one write. It returns False when the client
+        takes no more for now, and then calls ``resume`` once the client's connection
+        drains. ``on_first`` is called before the first chunk.
 
         ``write``, unrolled: this runs for every read of every stream. One write for what
         one read brought: an engine a little ahead of the gateway sends two or three
@@ -264,29 +265,41 @@ class BodyWriter:
         self._streaming = True
         transport, flow = self._transport, self._flow
         write, closing = transport.write, transport.is_closing
+        if usage is not None:
+            keep, settle = usage.pending.extend, usage.settle
+        else:
+            kept: list[bytes] = []  # nobody reads it: emptied as usage's would be
+            keep, settle = kept.extend, kept.clear
         first = True
+        # Bytes written until the usage's chunks are settled (the first read starts it).
+        budget = 0
 
         def sink(chunks: list[bytes]) -> bool:
-            nonlocal first
-            if first:
-                first = False
-                on_first()
-                if tap is not None:
-                    tap(chunks)
-                if self._write_framed(_framed(chunks)):  # with a held head, if any
-                    return True
+            nonlocal budget, first
+            keep(chunks)
+            if len(chunks) == 1:  # _framed's common case, without its call
+                chunk = chunks[0]
+                data = _CHUNK % (len(chunk), chunk)
             else:
-                if tap is not None:
-                    tap(chunks)
-                if closing():
-                    return False  # the client is gone, as ``write`` says
-                if len(chunks) == 1:  # _framed's common case, without its call
-                    chunk = chunks[0]
-                    write(_CHUNK % (len(chunk), chunk))
+                data = _framed(chunks)
+            budget -= len(data)
+            if budget < 0:
+                # Once in SETTLE_BYTES, and at the first read.
+                budget = SETTLE_BYTES
+                if not first:
+                    settle()
                 else:
-                    write(_framed(chunks))
-                if not flow.write_paused:
-                    return True
+                    first = False
+                    on_first()
+                    if self._write_framed(data):  # with a held head, if any
+                        return True
+                    self.when_writable(resume)
+                    return False
+            if closing():
+                return False  # the client is gone, as ``write`` says
+            write(data)
+            if not flow.write_paused:
+                return True
             self.when_writable(resume)
             return False
 

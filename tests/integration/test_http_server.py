@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llmgw import pki
 from llmgw.config import Listen
+from llmgw.core.usage import SETTLE_BYTES, StreamUsage, Usage
 from llmgw.server import http as http_server
 from llmgw.server.http import BODY_WRITER, GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
 from llmgw.server.listen import listening_socket
@@ -56,7 +57,7 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
     BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full:
     with ``write``, or (``sunk``) through the function ``sink`` makes, as the gateway's
     relay does, one or (every third call) two chunks a call, as one read from an engine
-    brings, each also handed to a tap (``running.tapped``)."""
+    brings, each also handed to a stream's usage reader (``running.tap``)."""
     writer = scope["extensions"][BODY_WRITER]
     writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
@@ -87,14 +88,29 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
         pump()
 
     def first() -> None:
-        assert not running.tapped, "on_first after a chunk"
+        assert not running.tap.settled, "on_first after a chunk"
         running.firsts += 1
 
     if sunk:
-        sink = writer.sink(resumed, first, running.tapped.extend)
+        sink = writer.sink(resumed, first, running.tap)
     pump()
     await done.wait()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Tap:
+    """Stands in for a stream's usage reader (``StreamUsage``): keeps what a sink hands
+    it, and the most that waited in ``pending`` before a ``settle``."""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self.settled: list[bytes] = []
+        self.most_waiting = 0
+
+    def settle(self) -> None:
+        self.most_waiting = max(self.most_waiting, sum(map(len, self.pending)))
+        self.settled += self.pending
+        self.pending.clear()
 
 
 class _Running:
@@ -104,7 +120,7 @@ class _Running:
         self.slow_started = asyncio.Event()
         self.full = asyncio.Event()  # a BodyWriter said the client's connection was full
         self.resumed = 0  # when_writable calls not yet called back, negated
-        self.tapped: list[bytes] = []  # what a sink handed its tap
+        self.tap = _Tap()  # what a sink handed on for a stream's usage
         self.firsts = 0  # a sink's on_first calls
 
         async def app(scope, receive, send) -> None:
@@ -373,7 +389,11 @@ async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
             assert running.resumed == 0  # every wait was called back
             if way == "sunk":
                 assert running.firsts == 1
-                assert b"".join(running.tapped) == data  # every chunk, in order
+                tapped = running.tap.settled + running.tap.pending
+                assert b"".join(tapped) == data  # every chunk, in order
+                # Settled once SETTLE_BYTES were written since the last time: what waits
+                # is at most that, and the read that went over it.
+                assert running.tap.most_waiting <= SETTLE_BYTES + 2 * CHUNK
             # The response ended through send: the connection is kept for the next one.
             conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
             again = await asyncio.to_thread(conn.recv, 65536)
@@ -440,6 +460,37 @@ class _Protocol:
         """The client's connection lost, as uvloop reports it: closing, then told."""
         self.transport.closed = True
         self.protocol.connection_lost(None)
+
+
+async def test_a_sink_settles_a_long_stream_for_its_usage_reader_in_bounded_batches():
+    # Events of a long stream, one a read, through a sink to a real usage reader: the
+    # chunks wait in its `pending` a batch at a time, never more than SETTLE_BYTES and one
+    # read, and every event is seen, the usage in the last one found.
+    events = [b"data: " + json.dumps({"n": n, "text": "x" * 150}).encode() + b"\n\n"
+              for n in range(1500)]
+    events[-1] = b'data: {"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":5}}\n\n'
+    usage = StreamUsage()
+    waiting: list[int] = []
+
+    async def app(scope, receive, send) -> None:
+        writer = scope["extensions"][BODY_WRITER]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        sink = writer.sink(lambda: None, lambda: None, usage)
+        for event in events:
+            assert sink([event])
+            waiting.append(sum(map(len, usage.pending)))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    served = _Protocol(app)
+    writes = await served.request(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+    received, rest = _dechunk(b"".join(writes).split(b"\r\n\r\n", 1)[1])
+    assert rest == b"" and b"".join(received) == b"".join(events)
+    longest = max(map(len, events))
+    assert max(waiting) <= SETTLE_BYTES + longest
+    assert max(waiting) > SETTLE_BYTES // 2  # batched, not settled every read
+    assert usage.events() == len(events)
+    assert usage.counted() == Usage(4, 5)
 
 
 async def test_a_held_head_leaves_with_the_first_chunk_in_one_write():

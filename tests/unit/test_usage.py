@@ -102,15 +102,23 @@ LAST_CHUNK_USAGE = sse(  # llama.cpp and vLLM: the last content chunk carries it
 
 def feed_in(stream: bytes, cuts: list[int]) -> Usage | None:
     """``stream`` cut at ``cuts``, fed a piece at a time and (every third feed) two at once,
-    as one read from an engine may bring."""
-    reader = StreamUsage()
+    as one read from an engine may bring; and the same reads handed to ``pending`` and
+    settled every fourth, as a relay's sink does: both find the same."""
+    reader, relayed = StreamUsage(), StreamUsage()
     edges = [0, *sorted(cuts), len(stream)]
     pieces = [stream[a:b] for a, b in itertools.pairwise(edges)]
+    reads = 0
     while pieces:
         take = 2 if len(pieces) % 3 == 0 else 1
         reader.feed(pieces[:take])
+        relayed.pending += pieces[:take]
+        reads += 1
+        if reads % 4 == 0:
+            relayed.settle()
         del pieces[:take]
-    return reader.end()
+    found = reader.end()
+    assert relayed.end() == found
+    return found
 
 
 @pytest.mark.parametrize(("stream", "expected"), [
@@ -230,11 +238,12 @@ def test_a_long_stream_keeps_only_its_tail_and_counts_every_event() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_events_are_counted_however_the_stream_is_cut(seed: int) -> None:
     """Fed in random pieces, trimmed often (a short line limit): no event is lost or
-    counted twice where a trim or a piece cuts through its ``\\ndata:``."""
+    counted twice where a trim or a piece cuts through its ``\\ndata:``; nor when the
+    pieces are settled in batches."""
     rng = random.Random(seed)
     stream = b"".join(sse(delta("x" * rng.randrange(0, 40)), done=False,
                           eol=rng.choice([b"\n", b"\r\n", b"\r"])) for _ in range(3000))
-    reader = StreamUsage(max_line=64)
+    reader, relayed = StreamUsage(max_line=64), StreamUsage(max_line=64)
     at = 0
     while at < len(stream):
         pieces = []
@@ -243,9 +252,13 @@ def test_events_are_counted_however_the_stream_is_cut(seed: int) -> None:
             pieces.append(stream[at:at + size])
             at += size
         reader.feed([p for p in pieces if p])
+        relayed.pending += [p for p in pieces if p]
+        if rng.random() < 0.2:  # settled now and then, as a relay's sink does
+            relayed.settle()
+            assert len(relayed._tail) <= relayed._limit
     assert len(reader._tail) <= reader._limit
-    assert reader.events() == 3000
-    assert reader.counted() == Usage(0, 3000)
+    assert reader.events() == relayed.events() == 3000
+    assert reader.counted() == relayed.counted() == Usage(0, 3000)
 
 
 def test_a_tail_that_begins_mid_line_is_not_read_as_a_line() -> None:

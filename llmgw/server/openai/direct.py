@@ -123,7 +123,7 @@ class Exchange:
         writer.start(200, answer_headers(answer.headers, whole=False))
         reader = self._reader = StreamUsage() if self._usage is not None else None
         answer.start_pipe(writer.sink(answer.resume, self._first_bytes,
-                                      reader.feed if reader is not None else None))
+                                      reader))
         writer.release()
         return True
 
@@ -140,7 +140,7 @@ class Exchange:
                 if not self._relayed:
                     self._first_bytes()
                 if self._reader is not None:
-                    self._reader.feed([last])
+                    self._reader.pending.append(last)  # settled as the usage is read
             writer.finish(last if err is None else
                           last + broken_stream(err, self._lease.replica, self._gateway))
             self._finish()

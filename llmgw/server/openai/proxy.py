@@ -225,7 +225,7 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
         try:
             if writer is not None:
                 await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
-                                                reader.feed if reader is not None else None))
+                                                reader))
             else:
                 await _copy(upstream, send, progress, reader)
         except UpstreamError as err:

@@ -587,53 +587,85 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        # Every read of every stream: kept short, in one frame.
+        # Every read of every stream: kept short, in one frame; what goes wrong is
+        # handled apart (``_unparsable``).
         answer = self.answer
         if answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
             self.abort()
             return
-        self.got_nothing = False
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as err:
-            # What parsed before the error is the answer's (bytes after a whole answer are
-            # the connection's fault, not the answer's): handed on below, then it fails.
-            broken = UpstreamError(f"the engine's answer is not valid HTTP: {err}",
-                                   answered=bool(answer.status))
-        except httptools.HttpParserUpgrade:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
+            self._unparsable(answer, err)
+            return
+        parts = self._parts
+        if parts:
+            # What the read brought goes on at once (``_hand_on``, unrolled for the
+            # common case: a stream piped to a sink).
+            sink = answer._sink
+            if sink is not None and not answer._done:
+                answer._last = _monotonic()
+                try:
+                    if not sink(parts):
+                        self.pause()
+                finally:
+                    parts.clear()  # never handed on twice, whatever a sink does
+            else:
+                self._hand_on(answer)
+        if answer._watch_due:
+            self._run_watch(answer)
+
+    def _hand_on(self, answer: Answer) -> None:
+        """The body's parts parsed from a read go to the answer's sink or queue, in order,
+        once the read is parsed (an end of the answer found in it only woke the answer's
+        reader, which runs after this). The read that ends an answer someone watches is
+        queued instead: the watch ends the answer with it, in one write."""
+        parts = self._parts
+        try:
+            answer._last = _monotonic()
+            sink = answer._sink
+            if sink is not None and not answer._done:
+                if not sink(parts):
+                    self.pause()
+            elif sink is None or answer._watch is not None:
+                for part in parts:
+                    answer._queue(part)
+            elif not sink(parts):
+                self.pause()
+        finally:
+            parts.clear()  # never handed on twice, whatever a sink does
+
+    def _unparsable(self, answer: Answer,
+                    err: httptools.HttpParserError | httptools.HttpParserUpgrade) -> None:
+        """The read did not parse: what parsed before the error is the answer's (bytes
+        after a whole answer are the connection's fault, not the answer's) and is handed
+        on, then the answer fails and the connection is dropped."""
+        if isinstance(err, httptools.HttpParserUpgrade):
             # A 101: its head was kept from the answer (on_headers_complete).
             broken = UpstreamError("the engine answered by switching protocols (101), "
                                    "which llmgw does not relay", answered=False)
         else:
-            broken = None
-        # The body's parts parsed from this read go to the answer's sink or queue, in
-        # order, once the read is parsed (an end of the answer found in it only woke the
-        # answer's reader, which runs after this). The read that ends an answer someone
-        # watches is queued instead: the watch ends the answer with it, in one write.
-        parts = self._parts
+            broken = UpstreamError(f"the engine's answer is not valid HTTP: {err}",
+                                   answered=bool(answer.status))
         try:
-            if parts:
-                answer._last = _monotonic()
-                sink = answer._sink
-                if sink is None or (answer._done and answer._watch is not None):
-                    for part in parts:
-                        answer._queue(part)
-                elif not sink(parts):
-                    self.pause()
+            if self._parts:
+                self._hand_on(answer)
         finally:
-            parts.clear()  # never handed on twice, whatever a sink does
-            if broken is not None:
-                answer._fail(broken, in_read=True)
-                self.abort()
+            answer._fail(broken, in_read=True)
+            self.abort()
             if answer._watch_due:
-                # Last: the watch may end the answer and hand this connection on. What it
-                # raises is logged, as the loop would a callback's: this connection is
-                # not at fault.
-                try:
-                    answer._run_watch()
-                except Exception:
-                    log.exception("unexpected error in the watch of an answer")
+                self._run_watch(answer)
+
+    @staticmethod
+    def _run_watch(answer: Answer) -> None:
+        # Last in a read: the watch may end the answer and hand this connection on. What
+        # it raises is logged, as the loop would a callback's: this connection is not at
+        # fault.
+        try:
+            answer._run_watch()
+        except Exception:
+            log.exception("unexpected error in the watch of an answer")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -651,6 +683,10 @@ class _Connection(asyncio.Protocol):
                                        answered=bool(answer.status)))
 
     # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        # The answer's first byte (once per answer, not per read).
+        self.got_nothing = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
