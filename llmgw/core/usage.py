@@ -4,10 +4,10 @@ Two halves:
 
 - Reading what an engine says it used: `usage_from_body` for an answer read whole,
   `StreamUsage` for a stream relayed chunk by chunk. The stream reader keeps the stream's
-  tail (from `MAX_LINE_BYTES` and a little more to twice that, and a read), so a long
-  stream costs a bounded amount of memory, and reads the usage from its last lines once
-  it is over; a line longer than `MAX_LINE_BYTES` is skipped (an answer's final usage
-  chunk is a few hundred bytes).
+  tail (from `MAX_LINE_BYTES` and a little more to twice that, and what came since it was
+  last cut: `SETTLE_BYTES` and a read), so a long stream costs a bounded amount of
+  memory, and reads the usage from its last lines once it is over; a line longer than
+  `MAX_LINE_BYTES` is skipped (an answer's final usage chunk is a few hundred bytes).
 - Judging a key's limits: the store counts requests and tokens in fixed UTC windows (a
   minute, a day, a month) and hands the counts here; `judge` says whether the request
   may go on, and if not, which limit refused it and for how long (`Refusal`). Tokens are

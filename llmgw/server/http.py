@@ -279,10 +279,11 @@ class BodyWriter:
             keep(chunks)
             if len(chunks) == 1:  # _framed's common case, without its call
                 chunk = chunks[0]
-                data = _CHUNK % (len(chunk), chunk)
+                data = _CHUNK % (size := len(chunk), chunk)
             else:
                 data = _framed(chunks)
-            budget -= len(data)
+                size = len(data)
+            budget -= size
             if budget < 0:
                 # Once in SETTLE_BYTES, and at the first read.
                 budget = SETTLE_BYTES
