@@ -285,12 +285,17 @@ class BodyWriter:
                 size = len(data)
             budget -= size
             if budget < 0:
-                # Once in SETTLE_BYTES, and at the first read.
-                budget = SETTLE_BYTES
+                # Once SETTLE_BYTES were written since the last settle; and at the first
+                # read, which waits in ``pending`` like any other.
                 if not first:
                     settle()
+                    budget = SETTLE_BYTES
                 else:
                     first = False
+                    budget += SETTLE_BYTES
+                    if budget < 0:
+                        settle()
+                        budget = SETTLE_BYTES
                     on_first()
                     if self._write_framed(data):  # with a held head, if any
                         return True

@@ -1,8 +1,9 @@
-"""Streams served from callbacks (``GatewayFront.serve_now`` and ``direct.Exchange``): a
-streamed request whose replica has an idle kept-alive connection goes to the engine from
-the server's callback and is answered from the engine connection's, with no task. Each
-test first sends one request, which opens that connection, then the one it looks at, and
-checks that ``serve_now`` took it; what the client sees must be what the task path gives.
+"""Requests served from callbacks (``GatewayFront.serve_now`` and ``direct.Exchange``): a
+request whose replica has an idle kept-alive connection goes to the engine from the
+server's callback and is answered from the engine connection's, with no task: streams,
+mostly, and whole answers. Each test first sends one request, which opens that
+connection, then the one it looks at, and checks that ``serve_now`` took it; what the
+client sees must be what the task path gives.
 
 In process, on loopback: the gateway's routes on llmgw's HTTP server, in front of a raw
 asyncio engine that answers each request as the test's script says.
@@ -87,9 +88,12 @@ async def test_a_stream_on_a_kept_alive_connection_is_relayed_byte_for_byte_from
             assert headers["Content-Type"] == "text/event-stream"
             assert headers["Transfer-Encoding"] == "chunked"
             assert front.served_now == n
-        # Not streamed: through the task, as before.
-        status, body, _ = await _post(http, url, stream=False)
-        assert status == 200 and front.served_now == 3
+        # Not streamed: from callbacks too, and the engine's stream answered whole, as
+        # the task path answers a request that did not ask for a stream.
+        status, body, headers = await _post(http, url, stream=False)
+        assert (status, body) == (200, STREAM) and front.served_now == 4
+        assert headers["Content-Length"] == str(len(STREAM))
+        assert "Transfer-Encoding" not in headers
         assert front.state.router.in_flight() == {"r0": 0}
     finally:
         await stack.aclose()
@@ -202,6 +206,50 @@ async def test_usage_in_the_read_that_ends_a_stream_is_counted_for_the_key(tmp_p
         used = await store.usage_counts(record.id, datetime.now(UTC))
         # The first stream reported nothing: its 4 events count as 4 completion tokens.
         assert used.tokens_this_minute == 4 + 12
+    finally:
+        await stack.aclose()
+
+
+async def test_a_whole_answer_from_callbacks_is_the_task_paths_and_is_charged(tmp_path):
+    # A request not streamed, for a chat and for an embedding, answered from callbacks:
+    # the engine's JSON and its type, with its length, and the key charged its usage;
+    # byte for byte what the task path gives the same request.
+    answer = (b'{"object":"chat.completion","choices":[{"message":{"content":"hi"}}],'
+              b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}')
+
+    async def whole_json(reader, writer) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%b" % (len(answer), answer))
+
+    store = await open_store(sqlite_url(tmp_path / "llmgw.db"))
+    key, record = await create_api_key(store, "ci")
+    stack = contextlib.AsyncExitStack()
+    stack.push_async_callback(store.close)
+    try:
+        running = await stack.enter_async_context(gateway_front_in_process(
+            MODEL, engine_answering(Script(whole_json))))
+        state, front = running.front.state, running.front
+        state.config.auth.require_api_key = True
+        state.api_keys = KeyCache(store, 60.0)
+        state.usage = recorder = UsageRecorder(store)
+        http = await stack.enter_async_context(aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=10),
+            headers={"authorization": f"Bearer {key}"}))
+        base = f"http://127.0.0.1:{running.port}/v1"
+        seen = []
+        for path, extra in (("chat/completions", {"stream": False}),
+                            ("chat/completions", {"stream": False}),
+                            ("embeddings", {"input": "hi", "stream": False})):
+            # The first through the task path (it reads the key, opens the connection).
+            status, body, headers = await _post(http, f"{base}/{path}", **extra)
+            assert (status, body) == (200, answer), body
+            seen.append((headers["Content-Type"], headers["Content-Length"]))
+        assert front.served_now == 2
+        assert seen == [("application/json", str(len(answer)))] * 3
+        await recorder.flush()
+        used = await store.usage_counts(record.id, datetime.now(UTC))
+        assert used.tokens_this_minute == 3 * 5
+        assert front.state.router.in_flight() == {"r0": 0}
     finally:
         await stack.aclose()
 

@@ -1,15 +1,16 @@
-"""An engine's answer relayed from callbacks, with no task: the hot path of a streamed
-``/v1`` request on llmgw's own server.
+"""An engine's answer relayed from callbacks, with no task: the hot path of a ``/v1``
+request on llmgw's own server.
 
 ``proxy.forward`` relays an answer in the request's task, awaiting each step. For a
 stream, that task, its coroutines and the ASGI messages around them cost more CPU than
-relaying every event of the stream (bench/README.md). So ``routes.GatewayFront.serve_now``
-sends a streamed request that needs no wait (its key read lately, a free slot, an idle
-connection to the engine) at once, from the server's callback, and an Exchange answers it
-from the engine connection's callbacks: the head when it comes, then the body through the
-client's BodyWriter as ``pipe`` hands it on, then the end. What it says in each case
-(timeouts, an engine that breaks off, usage, metrics) is what ``proxy.forward`` says: the
-words are the same functions.
+relaying every event of the stream (bench/README.md); for a whole answer, more than the
+rest of the request. So ``routes.GatewayFront.serve_now`` sends a request that needs no
+wait (its key read lately, a free slot, an idle connection to the engine) at once, from
+the server's callback, and an Exchange answers it from the engine connection's callbacks:
+the head when it comes, then a stream's body through the client's BodyWriter as ``pipe``
+hands it on, then the end; or a whole answer at once when it is all in. What it says in
+each case (timeouts, an engine that breaks off, usage, metrics) is what
+``proxy.forward`` says: the words are the same functions.
 
 An answer that another replica may still take instead (the engine refused before
 answering) goes back to the request's task path, which retries it, as long as nothing was
@@ -52,12 +53,15 @@ class Exchange:
     over, however it ended."""
 
     __slots__ = ("_answer", "_done", "_fall_back", "_gateway", "_kept", "_lease", "_over",
-                 "_progress", "_reader", "_relayed", "_streaming", "_usage", "_writer")
+                 "_progress", "_reader", "_relayed", "_stream", "_streaming", "_usage",
+                 "_writer")
 
     def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
                  progress: Progress, usage: UsageSink | None,
-                 fall_back: Callable[[str | None], None], done: Callable[[], None]):
+                 fall_back: Callable[[str | None], None], done: Callable[[], None],
+                 *, stream: bool):
         self._answer = answer
+        self._stream = stream  # the client asked for a stream
         self._lease = lease
         self._gateway = gateway
         self._writer = writer
@@ -107,7 +111,7 @@ class Exchange:
         if answer.status == 503:
             self._hand_back(f"{self._lease.replica} answered 503")
             return False
-        if not is_event_stream(answer.status, answer.headers):
+        if not (self._stream and is_event_stream(answer.status, answer.headers)):
             kept = self._kept = []
 
             def keep(chunks: list[bytes]) -> bool:

@@ -222,8 +222,8 @@ REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt
 # Where a request handed back by ``serve_now`` carries the replica that refused it and why,
 # for the task path's retries (a scope extension).
 _REFUSED = "llmgw.refused"
-# The endpoints whose streamed requests ``serve_now`` serves.
-_SERVED_NOW = frozenset({"/v1/chat/completions", "/v1/completions"})
+# The endpoints whose requests ``serve_now`` serves.
+_SERVED_NOW = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 
 def gateway_first(app: ASGIApp, state: GatewayContext) -> GatewayFront:
@@ -240,10 +240,11 @@ class GatewayFront:
     each streamed chunk passes through Litestar's exception middleware, router and send
     wrapper, which the gateway does not need: it answers its own errors.
 
-    And on llmgw's own server (``http.CallbackRoutes``), a streamed chat or completion
-    that needs no wait before it goes to an engine (its API key read lately and without
-    limits, a replica with a free slot, an idle kept-alive connection to it) is sent from
-    the server's callback and answered from the engine connection's (``direct.Exchange``):
+    And on llmgw's own server (``http.CallbackRoutes``), a chat, completion or embedding
+    request, streamed or not, that needs no wait before it goes to an engine (its API key
+    read lately and without limits, a replica with a free slot, an idle kept-alive
+    connection to it) is sent from the server's callback and answered from the engine
+    connection's (``direct.Exchange``):
     no task, no coroutine, no ASGI message for it. Every other request, and one handed
     back before anything was written (the engine refused it), goes through the same
     routes in a task."""
@@ -278,8 +279,6 @@ class GatewayFront:
             head = _parse(body, REQUIRED_FIELD[path])
         except ApiError:
             return False  # the task path answers it
-        if not head.stream:
-            return False  # first: a request not streamed pays for nothing more here
         headers = dict(scope["headers"])
         if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
             return False
@@ -300,16 +299,17 @@ class GatewayFront:
         lease = state.router.pick(model, key)
         if lease is None:
             return False
-        endpoint = lease.endpoint
+        endpoint, stream = lease.endpoint, head.stream
         answer = pool.send_now(
             endpoint.host, endpoint.port,
-            request_bytes(endpoint.host, endpoint.port, path, body, ACCEPT_STREAM),
+            request_bytes(endpoint.host, endpoint.port, path, body,
+                          ACCEPT_STREAM if stream else JSON_TYPE),
             gateway.first_byte_timeout_s, gateway.idle_timeout_s)
         if answer is None:
             lease.release()
             return False
         seen = _Seen(state.metrics)
-        seen.model, seen.stream = model, True
+        seen.model, seen.stream = model, stream
         metrics, kind = state.metrics, endpoint_kind(path)
 
         def done() -> None:
@@ -325,7 +325,7 @@ class GatewayFront:
         self.served_now += 1
         Exchange(answer, lease, gateway, writer, seen,
                  functools.partial(state.usage.add, record.id, model) if record else None,
-                 hand_back, done)
+                 hand_back, done, stream=stream)
         return True
 
 
