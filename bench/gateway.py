@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,7 +167,8 @@ def llama_files() -> tuple[Path, Path] | None:
 
 
 def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
-                  llama: tuple[Path, Path] | None, keys: bool) -> tuple[Path, Path]:
+                  llama: tuple[Path, Path] | None, keys: bool,
+                  key_cache_s: float | None = None) -> tuple[Path, Path]:
     """server.yaml, agent.yaml and the agent's llama.cpp "binary"."""
     wrapper = tmp / "llama-server"
     real = f'    *.gguf) exec {llama[0]} "$@" ;;\n' if llama else ""
@@ -188,7 +189,9 @@ def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
             args=["--threads", "1"])]))
     server = cfg.ServerConfig(
         listen=cfg.Listen(host="127.0.0.1", port=port), state_dir=str(tmp / "server"),
-        auth=cfg.Auth(require_api_key=keys), models=models, log_level="warning")
+        auth=cfg.Auth(require_api_key=keys, **(
+            {"key_cache_s": key_cache_s} if key_cache_s is not None else {})),
+        models=models, log_level="warning")
     agent = cfg.AgentConfig(
         servers=[f"http://127.0.0.1:{port}"], node_id="bench", address="127.0.0.1",
         state_dir=str(tmp / "agent"), runtime="process", stop_shards_on_exit=True,
@@ -269,28 +272,39 @@ class Cluster:
                 stop(pid, 5.0)
 
 
+def _as_is(role: str, argv: list[str]) -> list[str]:
+    return argv
+
+
 async def start(cluster: Cluster, events: int, gap_ms: float,
-                llama: tuple[Path, Path] | None, keys: bool = True) -> list[str]:
+                llama: tuple[Path, Path] | None, keys: bool = True, *,
+                launch: Callable[[str, list[str]], list[str]] = _as_is,
+                key_cache_s: float | None = None, ready_s: float = 60.0) -> list[str]:
+    """The cluster started and ready within ``ready_s``. ``launch(role, argv)`` may change
+    the command line of the ``server`` and the ``floor`` (to run them under a counter,
+    say)."""
     tmp, notes = cluster.tmp, []
     port, floor_port = free_port(), free_port()
-    server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama, keys)
+    server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama, keys,
+                                            key_cache_s)
     (tmp / "server").mkdir(mode=0o700)
     token, _ = load_or_create_admin_token(tmp / "server")
     python = [sys.executable, "-m", "llmgw"]
-    cluster.procs["server"] = spawn([*python, "server", "-c", str(server_yaml)],
+    cluster.procs["server"] = spawn(launch("server", [*python, "server", "-c",
+                                                      str(server_yaml)]),
                                     tmp / "server.log")
     cluster.procs["agent"] = spawn([*python, "agent", "-c", str(agent_yaml)], tmp / "agent.log")
     base = f"http://127.0.0.1:{port}"
     procs = list(cluster.procs.values())
-    ports = await wait_ready(base, token, [FAKE_MODEL], procs, 60.0)
+    ports = await wait_ready(base, token, [FAKE_MODEL], procs, ready_s)
     engine = ports[FAKE_MODEL]
     if keys:
         cluster.llmgw_headers = {"authorization": f"Bearer {await api_key(base, token)}"}
     cluster.engine_pids = [p for p in process_tree(cluster.procs["agent"].pid)[1:]
                            if str(FAKE_ENGINE) in cmdline(p)]
-    cluster.procs["floor"] = spawn(
-        [sys.executable, str(FAKE_ENGINE), "proxy", "--port", str(floor_port),
-         "--upstream", f"127.0.0.1:{engine}"], tmp / "floor.log")
+    cluster.procs["floor"] = spawn(launch("floor", [
+        sys.executable, str(FAKE_ENGINE), "proxy", "--port", str(floor_port),
+        "--upstream", f"127.0.0.1:{engine}"]), tmp / "floor.log")
     path = "/v1/chat/completions"
     cluster.urls = {"direct": f"http://127.0.0.1:{engine}{path}",
                     "floor": f"http://127.0.0.1:{floor_port}{path}", "llmgw": base + path}
