@@ -329,6 +329,56 @@ async def test_an_engine_silent_or_gone_mid_stream_ends_it_with_an_error_event()
         await stack.aclose()
 
 
+async def test_a_whole_answer_from_callbacks_that_stalls_or_breaks_off_is_a_504_or_502():
+    # Not streamed, from callbacks: an engine silent before its head, silent in the middle
+    # of its body, or gone mid-body gets the task path's answers, and frees its slot.
+    answer = b'{"choices":[{"message":{"content":"hi"}}]}'
+    whole = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+             b"content-length: %d\r\n\r\n" % len(answer))
+
+    async def whole_json(reader, writer) -> None:
+        writer.write(whole + answer)
+
+    async def silent(reader, writer) -> bool:
+        await reader.read()  # nothing, until the gateway goes
+        return False
+
+    async def half_then_silence(reader, writer) -> bool:
+        writer.write(whole + answer[:10])
+        await reader.read()
+        return False
+
+    async def half_then_gone(reader, writer) -> bool:
+        writer.write(whole + answer[:10])
+        return False
+
+    script = Script(whole_stream, silent, whole_json, half_then_silence, whole_json,
+                    half_then_gone)
+    stack, url, front, http, _ = await _served(
+        script, Gateway(first_byte_timeout_s=0.3, idle_timeout_s=0.3))
+    try:
+        status, body, _ = await _post(http, url, stream=False)
+        assert (status, front.served_now) == (504, 1), body
+        error = json.loads(body)["error"]
+        assert error["code"] == "upstream_timeout"
+        assert error["message"] == ("r0 sent nothing for 0.3 s "
+                                    "(gateway.first_byte_timeout_s)")
+        for served, why in ((2, "r0 sent nothing for 0.3 s in the middle of its answer "
+                                "(gateway.idle_timeout_s)"),
+                            (3, "the engine of r0 broke off its answer: the engine "
+                                "closed the connection mid-answer")):
+            # The engine's connection was dropped: the next request opens another, and
+            # the one after that is served from callbacks on it.
+            status, body, _ = await _post(http, url, stream=False)
+            assert (status, body) == (200, answer) and front.served_now == served - 1
+            status, body, _ = await _post(http, url, stream=False)
+            assert front.served_now == served and status in (502, 504), body
+            assert json.loads(body)["error"]["message"] == why
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
 async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine():
     loop = asyncio.get_running_loop()
     upstream_closed = loop.create_future()
@@ -350,6 +400,42 @@ async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine(
         resp.release()
         closed = await asyncio.wait_for(upstream_closed, 5)
         assert closed - left < 1.0
+        assert front.state.router.in_flight() == {"r0": 0}
+    finally:
+        await stack.aclose()
+
+
+async def test_a_client_leaving_before_a_whole_answer_from_callbacks_frees_the_engine():
+    # Not streamed: the engine is still working on the answer (nothing sent yet) when the
+    # client goes; the upstream connection is closed within a second.
+    loop = asyncio.get_running_loop()
+    upstream_closed = loop.create_future()
+    received = asyncio.Event()
+
+    async def thinking(reader, writer) -> bool:
+        received.set()
+        await reader.read()  # until the gateway closes the upstream connection
+        upstream_closed.set_result(loop.time())
+        return False
+
+    stack, url, front, _, _ = await _served(Script(whole_stream, thinking))
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({**BODY, "stream": False}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%b"
+                     % (len(body), body))
+        await asyncio.wait_for(received.wait(), 5)
+        assert front.served_now == 1 and front.state.router.in_flight() == {"r0": 1}
+        left = loop.time()
+        writer.transport.abort()  # the client goes before any answer
+        closed = await asyncio.wait_for(upstream_closed, 5)
+        assert closed - left < 1.0
+        for _ in range(100):
+            if front.state.router.in_flight() == {"r0": 0}:
+                break
+            await asyncio.sleep(0.01)
         assert front.state.router.in_flight() == {"r0": 0}
     finally:
         await stack.aclose()
