@@ -53,6 +53,8 @@ GRACEFUL_STOP_S = 10
 BODY_WRITER = "llmgw.body_writer"
 # One chunk of a chunked body: its size in hex, the chunk.
 _CHUNK = b"%x\r\n%b\r\n"
+# A header field of a response's head, from its (name, value).
+_FIELD = b": ".join
 
 
 def _framed(chunks: list[bytes]) -> bytes:
@@ -176,8 +178,9 @@ class BodyWriter:
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         parts = [STATUS_LINE[status]]
-        for name, value in (*cycle.default_headers, *headers):
-            parts += (name, b": ", value, b"\r\n")
+        fields = (*cycle.default_headers, *headers)
+        if fields:  # each ``name: value``, joined in C, not a loop in Python
+            parts += (b"\r\n".join(map(_FIELD, fields)), b"\r\n")
         if length is None:
             cycle.chunked_encoding = True
             cycle.expected_content_length = 0

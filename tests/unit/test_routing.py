@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections import Counter
@@ -12,6 +13,7 @@ import pytest
 
 from llmgw.core import routing
 from llmgw.core.routing import Ring, by_affinity, choose, load_bound, two_choices
+from llmgw.server.openai import routes
 from llmgw.server.openai.router import QueueFull, QueueTimeout, Router, Saturated
 
 
@@ -217,6 +219,24 @@ def test_the_affinity_key_is_the_user_else_the_start_of_the_conversation():
     assert routing.affinity_key("", b"") is None
     assert routing.affinity_key(None, b"null") is None
 
+
+
+@pytest.mark.parametrize("fields", [
+    {"user": "alice", "messages": [{"role": "user", "content": "hi"}]},
+    {"user": None, "messages": [{"role": "user", "content": "x" * 1_000_000}]},
+    {"messages": [], "prompt": "once upon a time " * 100},
+    {"prompt": ["a", "b"]},
+    {"user": "", "messages": None},
+    {},
+])
+def test_a_requests_affinity_key_reads_only_the_start_of_its_conversation(fields):
+    # The gateway copies only what the key reads of a conversation (it can be megabytes),
+    # and gets the key the whole conversation gives.
+    body = json.dumps({"model": "m", **fields}).encode()
+    head = routes._parse(body, None)
+    whole = routing.affinity_key(bytes(head.user),
+                                 bytes(head.messages) or bytes(head.prompt))
+    assert routes._affinity(head) == whole
 
 # --- the router: leases and the queue -------------------------------------------------------
 

@@ -304,6 +304,8 @@ class Answer:
             else:
                 self._conn.pause()
         self._sink = sink
+        if not self._done and self._conn.answer is self:
+            self._conn.sink = sink  # the rest of the body goes to it as it comes
         if self._done:
             pass  # came whole before there was a sink: nothing to time
         elif not self._last:
@@ -313,6 +315,8 @@ class Answer:
             self._arm(self._idle_s)
 
     def stop_pipe(self) -> None:
+        if self._sink is not None and self._conn.sink is self._sink:
+            self._conn.sink = None
         self._sink = None
         self._disarm()
 
@@ -448,6 +452,7 @@ class Answer:
                 waiter.set_result(None)
         elif self._watch is not None:
             self._watch_due = True
+            self._conn.due = True
 
     def _run_watch(self) -> None:
         if self._watch_due:  # not already run by the read that made it due again
@@ -458,6 +463,7 @@ class Answer:
     def _fail(self, error: UpstreamError, in_read: bool = False) -> None:
         if self._error is None and not self._done:
             self._error = error
+            self._unsink()
             if in_read:
                 self._moved()
             else:
@@ -468,21 +474,34 @@ class Answer:
         self.headers = headers
         self._moved()
 
-    def _queue(self, data: bytes) -> None:
-        """Body data with no ``pipe`` sink yet (or the last read's, for a watch): kept for
-        ``chunk``/``read``/``pipe``/``take``."""
-        self._chunks.append(data)
-        self._queued += len(data)
+    def _unsink(self) -> None:
+        """What comes of the body from here on is no longer handed to the sink as it
+        comes (``_Connection.data_received``)."""
+        if self._sink is not None and self._conn.sink is self._sink:
+            self._conn.sink = None
+
+    def _queue(self, parts: list[bytes]) -> None:
+        """A read's body parts with no ``pipe`` sink yet (or the last read's, for a
+        watch): kept for ``chunk``/``read``/``pipe``/``take``."""
+        self._chunks.extend(parts)
+        self._queued += sum(map(len, parts))
         if self._queued > _HIGH_WATER:
             self._conn.pause()
         self._moved()
 
     def _complete(self, in_read: bool = False) -> None:
         self._done = True
+        if self._watch is not None:
+            # The read that ends it is queued, for the watch to end the answer with it.
+            self._unsink()
         if in_read:
             self._moved()
         else:
             self._wake()
+
+
+class _Unasked(Exception):
+    """An answer came with no request: the read fails to parse (``data_received``)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -498,6 +517,10 @@ class _Connection(asyncio.Protocol):
         self.address = address
         self.transport: asyncio.Transport | None = None
         self.answer: Answer | None = None
+        # The answer's pipe sink while its body comes: each read's parts go to it at once.
+        self.sink: Callable[[list[bytes]], bool] | None = None
+        # An answer's watch was made due in a read: ``data_received`` runs it at its end.
+        self.due = False
         self.got_nothing = True
         self._headers: list[tuple[bytes, bytes]] = []
         # The body's parts, as the parser found them in one read: httptools calls
@@ -520,6 +543,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, answer: Answer, payload: bytes) -> None:
         self.answer = answer
+        self.sink = None
         self.got_nothing = True
         self._headers = []
         self._framed = False
@@ -529,6 +553,7 @@ class _Connection(asyncio.Protocol):
         if self.answer is not answer:
             return
         self.answer = None
+        self.sink = None
         if reuse and self._keep_alive and self.usable():
             # Read whole, but reading may have been paused for a client that left or
             # lagged as the last chunk came: the next answer on it must be read.
@@ -587,60 +612,58 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        # Every read of every stream: kept short, in one frame; what goes wrong is
-        # handled apart (``_unparsable``).
-        answer = self.answer
-        if answer is None:
-            # Nothing was asked: an engine talking out of turn is not to be trusted.
-            self.abort()
-            return
+        # Every read of every stream: kept short, in one frame; the rest is handled apart.
+        # (Bytes nobody asked for fail the parse: ``on_message_begin``.)
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
-            self._unparsable(answer, err)
+            self._unparsable(err)
             return
         parts = self._parts
         if parts:
-            # What the read brought goes on at once (``_hand_on``, unrolled for the
-            # common case: a stream piped to a sink).
-            sink = answer._sink
-            if sink is not None and not answer._done:
-                answer._last = _monotonic()
+            # What the read brought goes on at once: ``_hand_on``, unrolled for a stream
+            # piped to a sink.
+            sink = self.sink
+            if sink is not None:
+                self.answer._last = _monotonic()
                 try:
                     if not sink(parts):
                         self.pause()
                 finally:
                     parts.clear()  # never handed on twice, whatever a sink does
             else:
-                self._hand_on(answer)
-        if answer._watch_due:
-            self._run_watch(answer)
+                self._hand_on()
+        if self.due:
+            self._run_due()
 
-    def _hand_on(self, answer: Answer) -> None:
-        """The body's parts parsed from a read go to the answer's sink or queue, in order,
-        once the read is parsed (an end of the answer found in it only woke the answer's
-        reader, which runs after this). The read that ends an answer someone watches is
-        queued instead: the watch ends the answer with it, in one write."""
-        parts = self._parts
+    def _hand_on(self) -> None:
+        """The body's parts parsed from a read go to the answer's sink, or, with none (no
+        pipe yet, or the read that ends an answer someone watches: the watch ends the
+        answer with it, in one write), to its queue, in order, once the read is parsed
+        (an end of the answer found in it only woke the answer's reader, which runs after
+        this)."""
+        answer, parts = self.answer, self._parts
         try:
             answer._last = _monotonic()
-            sink = answer._sink
-            if sink is not None and not answer._done:
-                if not sink(parts):
-                    self.pause()
-            elif sink is None or answer._watch is not None:
-                for part in parts:
-                    answer._queue(part)
+            sink = self.sink
+            if sink is None:
+                answer._queue(parts)
             elif not sink(parts):
                 self.pause()
         finally:
             parts.clear()  # never handed on twice, whatever a sink does
 
-    def _unparsable(self, answer: Answer,
-                    err: httptools.HttpParserError | httptools.HttpParserUpgrade) -> None:
+    def _unparsable(self, err: httptools.HttpParserError | httptools.HttpParserUpgrade
+                    ) -> None:
         """The read did not parse: what parsed before the error is the answer's (bytes
         after a whole answer are the connection's fault, not the answer's) and is handed
         on, then the answer fails and the connection is dropped."""
+        answer = self.answer
+        if answer is None:
+            # Nothing was asked: an engine talking out of turn is not to be trusted.
+            self._parts.clear()
+            self.abort()
+            return
         if isinstance(err, httptools.HttpParserUpgrade):
             # A 101: its head was kept from the answer (on_headers_complete).
             broken = UpstreamError("the engine answered by switching protocols (101), "
@@ -650,18 +673,21 @@ class _Connection(asyncio.Protocol):
                                    answered=bool(answer.status))
         try:
             if self._parts:
-                self._hand_on(answer)
+                self._hand_on()
         finally:
             answer._fail(broken, in_read=True)
             self.abort()
-            if answer._watch_due:
-                self._run_watch(answer)
+            if self.due:
+                self._run_due()
 
-    @staticmethod
-    def _run_watch(answer: Answer) -> None:
+    def _run_due(self) -> None:
         # Last in a read: the watch may end the answer and hand this connection on. What
         # it raises is logged, as the loop would a callback's: this connection is not at
         # fault.
+        self.due = False
+        answer = self.answer
+        if answer is None or not answer._watch_due:
+            return
         try:
             answer._run_watch()
         except Exception:
@@ -686,6 +712,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         # The answer's first byte (once per answer, not per read).
+        if self.answer is None:
+            raise _Unasked
         self.got_nothing = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
