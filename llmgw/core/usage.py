@@ -332,7 +332,7 @@ class StreamUsage:
         pending = self.pending
         if not pending:
             return
-        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        data = b"".join(pending)  # one bytes: no copy of a lone bytes, none kept of a caller's
         pending.clear()
         tail = self._tail
         if not tail:

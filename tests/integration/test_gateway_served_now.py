@@ -405,6 +405,32 @@ async def test_a_client_leaving_a_stream_served_from_callbacks_frees_the_engine(
         await stack.aclose()
 
 
+async def test_an_answer_nobody_asked_for_after_a_whole_one_is_not_relayed():
+    # The engine sends a whole answer and, in the same write, the start of another: the
+    # client gets the first as it was, and the connection is not used again (before,
+    # the next request served from callbacks on it waited for ever).
+    answer = b'{"ok":1}'
+    whole = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+             b"content-length: %d\r\n\r\n%b" % (len(answer), answer))
+
+    async def whole_json(reader, writer) -> None:
+        writer.write(whole)
+
+    async def whole_then_another(reader, writer) -> None:
+        writer.write(whole + b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nEV")
+
+    script = Script(whole_json, whole_then_another, whole_json, whole_json)
+    running = gateway_front_in_process(MODEL, engine_answering(script))
+    async with running as running, aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=10)) as http:
+        url = f"http://127.0.0.1:{running.port}/v1/chat/completions"
+        front = running.front
+        for served in (0, 1, 1, 2):  # the third opens a new connection, in a task
+            status, body, _ = await _post(http, url, stream=False)
+            assert (status, body) == (200, answer) and front.served_now == served
+        assert front.state.router.in_flight() == {"r0": 0}
+
+
 async def test_a_client_leaving_before_a_whole_answer_from_callbacks_frees_the_engine():
     # Not streamed: the engine is still working on the answer (nothing sent yet) when the
     # client goes; the upstream connection is closed within a second.

@@ -646,12 +646,27 @@ async def test_bytes_after_a_whole_answer_lose_none_of_it_and_the_connection():
         writer.write(b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\nXYZ")
         await writer.drain()
 
+    async def another_answer(reader, writer, n):
+        # A whole answer, then in the same write the start of another nobody asked for.
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+                     b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVI" if n == 1 else OK)
+        await writer.drain()
+
     pool = Pool(connect_timeout_s=2)
     async with Engine(trailing) as engine:
         answer = await _post(pool, engine.port)
         assert await asyncio.wait_for(answer.read(), 5) == b"hello"
         answer.close()
         assert not any(pool._idle.values())  # that connection is not kept
+    async with Engine(another_answer) as engine:
+        answer = await _post(pool, engine.port)
+        assert await asyncio.wait_for(answer.read(), 5) == b"hello"  # not "helloEVI"
+        answer.close()
+        assert not any(pool._idle.values())
+        answer = await _post(pool, engine.port)  # on a new connection, whole
+        assert await asyncio.wait_for(answer.read(), 5) == b'{"ok":true}'
+        answer.close()
+        assert engine.connections == 2
     async with Engine(stream_then_trailing) as engine:
         answer = await _post(pool, engine.port)
         got: list[bytes] = []

@@ -501,7 +501,8 @@ class Answer:
 
 
 class _Unasked(Exception):
-    """An answer came with no request: the read fails to parse (``data_received``)."""
+    """An answer came with no request waiting for it: the read fails to parse
+    (``on_message_begin``)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -711,8 +712,12 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        # The answer's first byte (once per answer, not per read).
-        if self.answer is None:
+        # The answer's first byte (once per answer, not per read). A message with no request
+        # waiting for it (none, or the one before it already whole: an engine that sent
+        # more than it said) fails the read, and the connection is dropped; the answer
+        # before it keeps what it had.
+        answer = self.answer
+        if answer is None or answer._done:
             raise _Unasked
         self.got_nothing = False
 
