@@ -157,6 +157,11 @@ def _callgrind(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True)
 
 
+def _last_dump(out: Path, role: str, pid: int) -> Path:
+    """callgrind's latest dump of the process: ROLE.PID.N, N counting up."""
+    return max(out.glob(f"{role}.{pid}.*"), key=lambda dump: int(dump.suffix[1:]))
+
+
 def _instructions(dump: Path) -> int:
     for line in dump.read_text(errors="replace").splitlines():
         if line.startswith(("summary:", "totals:")):
@@ -186,13 +191,12 @@ async def _count(cluster: Cluster, args: argparse.Namespace, out: Path
                                    args.concurrency, stream, args.events, headers)
                 took = time.monotonic() - began
                 _callgrind("-d", "load", str(pid))
-                total = _instructions(max(out.glob(f"{role}.{pid}.*"), key=os.path.getmtime))
+                total = _instructions(_last_dump(out, role, pid))
                 if target == "llmgw":
                     _callgrind("-z", str(pid))
                     await asyncio.sleep(took)
                     _callgrind("-d", "idle", str(pid))
-                    total -= _instructions(max(out.glob(f"{role}.{pid}.*"),
-                                               key=os.path.getmtime))
+                    total -= _instructions(_last_dump(out, role, pid))
                 _callgrind("-i", "off", str(pid))
                 counted[target] = (good, total / max(good, 1), [])
             else:
