@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from rich.table import Table
@@ -162,6 +163,24 @@ def _last_dump(out: Path, role: str, pid: int) -> Path:
     return max(out.glob(f"{role}.{pid}.*"), key=lambda dump: int(dump.suffix[1:]))
 
 
+async def _listening(url: str, timeout_s: float) -> None:
+    """Once something accepts connections where ``url`` points: the floor under callgrind
+    takes longer to start than the server is waited for."""
+    where = urlsplit(url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(where.hostname, where.port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+
+
 def _instructions(dump: Path) -> int:
     for line in dump.read_text(errors="replace").splitlines():
         if line.startswith(("summary:", "totals:")):
@@ -182,6 +201,7 @@ async def _count(cluster: Cluster, args: argparse.Namespace, out: Path
             pid, headers = pids[target], cluster.llmgw_headers if target == "llmgw" else {}
             role = "server" if target == "llmgw" else "floor"
             console.print(f"counting {target} ...", style="dim")
+            await _listening(cluster.urls[target], 600.0)
             await _load(http, cluster.urls[target], 2 * args.concurrency, args.concurrency,
                         stream, args.events, headers)
             if args.how == "instructions":
