@@ -207,6 +207,27 @@ class BodyWriter:
         elif len(body) != cycle.expected_content_length:
             raise RuntimeError("BodyWriter.finish with a body not of the length sent")
         cycle.transport.write(body)
+        self._complete(cycle)
+
+    def end_relayed(self) -> None:
+        """``finish`` for a body ``relay``ed to its end, last chunk and all: the response is
+        complete, nothing more is written."""
+        cycle = self._cycle()
+        if cycle is not None and not cycle.disconnected and not cycle.response_complete:
+            self._complete(cycle)
+
+    def cut(self) -> None:
+        """End a relayed body that stopped inside a chunk, which no chunk of ours may
+        follow: the connection is closed once what was written has gone, and the client
+        sees the body end before its last chunk, as a broken response."""
+        self._stop_relay()
+        cycle = self._cycle()
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+            self._transport.close()
+
+    def _complete(self, cycle: RequestResponseCycle) -> None:
+        self._stop_relay()
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:
@@ -314,6 +335,41 @@ class BodyWriter:
 
         return sink
 
+    def relay(self, early: bytes, pause: Callable[[], None], resume: Callable[[], None]
+              ) -> Callable[[bytes], object]:
+        """For a chunked body relayed as its source framed it, in the started chunked
+        response: writes ``early``, the body's first bytes (maybe none; with a held head,
+        if any), and returns the function that writes the rest, the connection's own
+        write, for the source's callback to call with each read as it came: no Python
+        call of ours between the two sockets. While the client takes no more, ``pause``
+        is called, then ``resume`` once its connection drained. Ended with ``end_relayed``
+        (the source's end was relayed), ``finish`` (at a chunk's end) or ``cut``."""
+        cycle = self._cycle()
+        if cycle is None or not cycle.chunked_encoding or cycle.response_complete:
+            raise RuntimeError("BodyWriter.relay outside a started chunked response")
+        self._streaming = True
+        protocol = self._protocol
+
+        def full() -> None:
+            pause()
+            self.when_writable(resume)
+
+        if protocol is not None:
+            protocol._on_full = full  # from the write that fills the client's buffer
+        if early:
+            self._write_framed(early)
+        else:
+            self.release()
+        if self._flow.write_paused and protocol is not None:
+            full()  # full before this write, or by it
+        return self._transport.write
+
+    def _stop_relay(self) -> None:
+        protocol = self._protocol
+        if protocol is not None and protocol._writer is self:
+            protocol._on_full = None
+            protocol._on_writable = None
+
     def when_writable(self, callback: Callable[[], None]) -> None:
         """After ``write`` said False: call ``callback`` once, when the client's connection
         has drained (never, if the client is gone)."""
@@ -360,9 +416,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     waits for ``100 Continue``.
 
     It overrides parser callbacks (``on_header`` whole; ``on_body`` and
-    ``on_message_complete`` after uvicorn's) and nine methods of uvicorn 0.54's protocol
+    ``on_message_complete`` after uvicorn's) and ten methods of uvicorn 0.54's protocol
     (pinned in pyproject.toml): ``data_received``, ``send_400_response``, which it calls on
-    a parser error, ``shutdown``, ``resume_writing``, the connection callbacks,
+    a parser error, ``shutdown``, ``pause_writing`` and ``resume_writing`` (after
+    uvicorn's), the connection callbacks,
     ``_start_asgi_task`` (to hold a request for ``serve_now``), and (to time the
     keep-alive limit with one timer per connection) ``on_response_complete`` and
     ``_unset_keepalive_if_required``; BodyWriter reads its request cycle's response state
@@ -376,6 +433,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _requests = 0
     _last_request = False
     _on_writable: Callable[[], None] | None = None
+    # Called when the client's connection stops taking writes: a relay's (BodyWriter.relay).
+    _on_full: Callable[[], None] | None = None
     _writer: BodyWriter | None = None  # the latest request's
     # Those of earlier requests still answering (HTTP pipelining), kept to be told of a loss.
     _earlier: tuple[BodyWriter, ...] = ()
@@ -435,13 +494,18 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self._keep_alive_timer is not None:
             self._keep_alive_timer.cancel()
             self._keep_alive_timer = None
-        self._on_writable = None
+        self._on_writable = self._on_full = None
         super().connection_lost(exc)
         writers = (*self._earlier, self._writer)
         self._writer, self._earlier = None, ()
         for writer in writers:
             if writer is not None:
                 writer._connection_lost()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._on_full is not None:
+            self._on_full()
 
     def resume_writing(self) -> None:
         super().resume_writing()

@@ -16,6 +16,7 @@ import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from unittest import mock
 
 import aiohttp
 import pytest
@@ -37,6 +38,19 @@ Step = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | N
 
 def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _dechunked(data: bytes) -> bytes:
+    """A whole chunked body's data."""
+    out = b""
+    while True:
+        size, _, data = data.partition(b"\r\n")
+        if int(size, 16) == 0:
+            assert data == b"\r\n"
+            return out
+        out += data[:int(size, 16)]
+        assert data[int(size, 16):int(size, 16) + 2] == b"\r\n"
+        data = data[int(size, 16) + 2:]
 
 
 async def whole_stream(reader, writer) -> None:
@@ -521,6 +535,89 @@ async def test_a_client_that_pipelines_and_leaves_frees_the_engine(path):
         writer.transport.abort()
         closed = await asyncio.wait_for(upstream_closed, 5)
         assert closed - left < 1.0
+        await _until_free(front)
+    finally:
+        await stack.aclose()
+
+
+async def test_a_chunked_stream_reaches_the_client_framed_as_the_engine_framed_it():
+    # Relayed from the engine connection's callback as it came: framing no encoder of ours
+    # writes (sizes with leading zeros and in capitals, an extension, an event in two
+    # chunks, a trailer) reaches the client unchanged. A stream with no chunks (it runs
+    # to the end of the connection) is framed in chunks by the gateway instead.
+    body = (b"00%X;x=1\r\n%b\r\n" % (len(EVENT), EVENT)
+            + _chunked(EVENT[:10]) + _chunked(EVENT[10:])
+            + _chunked(b"data: [DONE]\n\n") + b"0\r\nx-trailer: 1\r\n\r\n")
+
+    async def odd_framing(reader, writer) -> None:
+        writer.write(HEAD)
+        await writer.drain()
+        writer.write(body)
+
+    async def until_the_end(reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"connection: close\r\n\r\n" + STREAM)
+        return False
+
+    script = Script(whole_stream, odd_framing, until_the_end)
+    stack, url, front, _, _ = await _served(script)
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_raw_post(BODY))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head
+        got = await asyncio.wait_for(reader.readexactly(len(body)), 5)
+        assert got == body and front.served_now == 1
+        # The same connection, the next request: the engine's stream has no chunks.
+        writer.write(_raw_post(BODY))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            got += await asyncio.wait_for(reader.read(65536), 5)
+        assert _dechunked(got) == STREAM
+        assert front.served_now == 2
+        writer.close()
+        await _until_free(front)
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("ends", ["silent", "gone"])
+async def test_a_stream_that_breaks_off_inside_a_chunk_is_cut_not_ended(ends):
+    # The engine stops in the middle of a chunk: no event of the gateway's can follow
+    # what was relayed, so the client's connection is closed with the body unended (its
+    # client sees a broken stream), and the engine is freed.
+    partial = b"40\r\ndata: {\"choi"
+
+    async def half_a_chunk(reader, writer) -> bool:
+        writer.write(HEAD + _chunked(EVENT))
+        await writer.drain()
+        writer.write(partial)
+        if ends == "silent":
+            await reader.read()  # until the gateway goes
+        return False
+
+    script = Script(whole_stream, half_a_chunk, whole_stream, half_a_chunk)
+    stack, url, front, http, _ = await _served(
+        script, Gateway(first_byte_timeout_s=2.0, idle_timeout_s=0.3))
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_raw_post(BODY))
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+        head, _, relayed = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and front.served_now == 1
+        assert relayed == _chunked(EVENT) + partial  # unended: no last chunk
+        writer.close()
+        await _until_free(front)
+        # With aiohttp, as a client would see it, once a request opened a connection again.
+        assert await _post(http, url) == (200, STREAM, mock.ANY)
+        async with http.post(url, json=BODY) as resp:
+            assert resp.status == 200 and front.served_now == 2
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
         await _until_free(front)
     finally:
         await stack.aclose()

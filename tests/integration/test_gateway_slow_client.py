@@ -14,8 +14,11 @@ import asyncio
 import json
 import socket
 
+import aiohttp
+import pytest
+
 from llmgw.server.openai import upstream
-from tests.integration.gateway_state import gateway_in_process
+from tests.integration.gateway_state import gateway_front_in_process
 
 MODEL = "slow-reader-model"
 EVENTS = 32768
@@ -30,27 +33,35 @@ def _event(i: int) -> bytes:
 
 
 class _Engine:
-    """Answers one streamed request with EVENTS events, written as fast as they drain."""
+    """Answers streamed requests on a kept-alive connection: the first ``short`` with three
+    events, then EVENTS events, written as fast as they drain."""
 
-    def __init__(self) -> None:
+    def __init__(self, short: int) -> None:
+        self.short = short
         self.written = 0
         self.done = asyncio.Event()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n")
-            for i in range(EVENTS):
-                writer.write(_event(i))
-                self.written = i + 1
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                short = self.short > 0
+                self.short -= 1
+                for i in range(3 if short else EVENTS):
+                    writer.write(_event(i))
+                    if not short:
+                        self.written = i + 1
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
                 await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-            self.done.set()
-            await reader.read()  # until the gateway closes its kept-alive connection
+                if not short:
+                    self.done.set()
+        except asyncio.IncompleteReadError:
+            pass  # the gateway closed its kept-alive connection
         finally:
             writer.close()
 
@@ -69,8 +80,12 @@ def _events(body: bytes) -> list[bytes]:
     return [line for line in bytes(data).split(b"\n") if line.startswith(b"data: ")]
 
 
+@pytest.mark.parametrize("path", ["task", "callbacks"])
 async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_event(
-        monkeypatch):
+        monkeypatch, path):
+    # On the task path the engine's chunks go to a sink, which says when the client is
+    # full; from callbacks (a connection to the engine is open: a stream before opened
+    # it) they are relayed as they came, and the client's connection says it.
     paused = asyncio.Event()
     pause = upstream._Connection.pause
 
@@ -79,21 +94,27 @@ async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_
         pause(self)
 
     monkeypatch.setattr(upstream._Connection, "pause", seen_pause)
-    engine = _Engine()
-    async with gateway_in_process(MODEL, engine.serve) as port:
+    engine = _Engine(short=1 if path == "callbacks" else 0)
+    async with gateway_front_in_process(MODEL, engine.serve) as running:
+        port, front = running.port, running.front
+        body = json.dumps({"model": MODEL, "stream": True,
+                           "messages": [{"role": "user", "content": "go"}]}).encode()
+        if path == "callbacks":
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", data=body) as resp:
+                assert (await resp.read()).count(b"data: ") == 3
         client = socket.socket()
         try:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**16)
             client.settimeout(10)
             await asyncio.to_thread(client.connect, ("127.0.0.1", port))
-            body = json.dumps({"model": MODEL, "stream": True,
-                               "messages": [{"role": "user", "content": "go"}]}).encode()
             client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
                            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
                            % (len(body), body))
             # The client reads nothing: the gateway must stop reading from the engine,
             # which is then held back by its own socket, well short of the end.
             await asyncio.wait_for(paused.wait(), 10)
+            assert front.served_now == (path == "callbacks")
             assert not engine.done.is_set()
             assert engine.written < EVENTS
             answer = bytearray()

@@ -43,21 +43,24 @@ async def _echo(scope, receive, send, running: _Running) -> None:
     if scope["path"].startswith("/slow/"):  # /slow/SECONDS
         running.slow_started.set()
         await asyncio.sleep(float(scope["path"].rsplit("/", 1)[1]))
-    if scope["path"].startswith(("/written/", "/sunk/")):  # /written/CHUNKS, /sunk/CHUNKS
-        return await _written(scope, send, int(scope["path"].rsplit("/", 1)[1]), running,
-                              sunk=scope["path"].startswith("/sunk/"))
+    if scope["path"].startswith(("/written/", "/sunk/", "/relayed/")):  # /WAY/CHUNKS
+        way, chunks = scope["path"][1:].split("/")
+        return await _written(scope, send, int(chunks), running, way)
     body = json.dumps({"client": scope["client"][0], "scheme": scope["scheme"]}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> None:
+async def _written(scope, send, chunks: int, running: _Running, way: str) -> None:
     """``chunks`` chunks of CHUNK bytes (chunk i all bytes i % 251) written through the
     BodyWriter from loop callbacks, as the gateway does, waiting whenever it says full:
-    with ``write``, or (``sunk``) through the function ``sink`` makes, as the gateway's
-    relay does, one or (every third call) two chunks a call, as one read from an engine
-    brings, each also handed to a stream's usage reader (``running.tap``)."""
+    with ``write``; or ("sunk") through the function ``sink`` makes, as the gateway's
+    pipe does, one or (every third call) two chunks a call, as one read from an engine
+    brings, each also handed to a stream's usage reader (``running.tap``); or
+    ("relayed") framed already, with the write ``relay`` gives, and the end with them,
+    waiting whenever it calls its ``pause``."""
+    sunk, relayed = way == "sunk", way == "relayed"
     writer = scope["extensions"][BODY_WRITER]
     writer.hold()  # the head leaves with the first chunk
     await send({"type": "http.response.start", "status": 200,
@@ -65,8 +68,27 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
     done = asyncio.Event()
     written = 0
 
+    full = False
+
+    def pause() -> None:
+        nonlocal full
+        full = True
+        running.full.set()
+        running.resumed -= 1
+
     def pump() -> None:
-        nonlocal written
+        nonlocal written, full
+        while relayed:
+            full = False
+            while written < chunks and not full:
+                written += 1
+                relay(b"%x\r\n%b\r\n" % (CHUNK, bytes([(written - 1) % 251]) * CHUNK))
+            if full:
+                return
+            relay(b"0\r\n\r\n")
+            writer.end_relayed()
+            done.set()
+            return
         while written < chunks:
             written += 1
             chunk = bytes([(written - 1) % 251]) * CHUNK
@@ -93,9 +115,12 @@ async def _written(scope, send, chunks: int, running: _Running, sunk: bool) -> N
 
     if sunk:
         sink = writer.sink(resumed, first, running.tap)
+    if relayed:
+        relay = writer.relay(b"", pause, resumed)
     pump()
     await done.wait()
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if not relayed:  # else ended with the relayed bytes
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Tap:
@@ -359,7 +384,7 @@ def _dechunk(data: bytes) -> tuple[list[bytes], bytes]:
         data = data[size + 2:]
 
 
-@pytest.mark.parametrize("way", ["written", "sunk"])
+@pytest.mark.parametrize("way", ["written", "sunk", "relayed"])
 async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
     chunks = 128  # 8 MiB: well over what the socket buffers between app and client hold
     async with _Running() as running:

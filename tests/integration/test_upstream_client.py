@@ -742,3 +742,234 @@ async def test_an_engine_gone_leaves_no_entry_in_the_pool():
             await asyncio.sleep(0.01)
     assert pool._idle == {}
     await pool.close()
+
+
+# --- relayed as the engine framed it (Answer.relayable, Answer.start_relay) ---------------
+
+
+class _Relay:
+    """A watch that relays an answer as the callback path does: once its head is in, what
+    came with it and every read after, as they came; the body's parts kept apart."""
+
+    def __init__(self, answer: Answer, every: int = 2**16) -> None:
+        self.answer = answer
+        self.every = every
+        self.early: bytes | None = None  # relayable() at the head; None: not relayable
+        self.written: list[bytes] = []
+        self.kept: list[list[bytes]] = []
+        self.firsts = 0
+        self.over = asyncio.Event()
+        answer.watch(self._step)
+
+    def _first(self) -> None:
+        assert not self.written, "on_first after a write"
+        self.firsts += 1
+
+    def _step(self) -> None:
+        answer = self.answer
+        if answer.status and self.early is None and not self.over.is_set():
+            self.early = answer.relayable()
+            if self.early is None:
+                self.over.set()
+                return
+            answer.start_relay(self.written.append, self._first,
+                               lambda parts: self.kept.append(list(parts)), self.every)
+        if answer.done or answer.error is not None:
+            self.over.set()
+
+    @property
+    def relayed(self) -> bytes:
+        return self.early + b"".join(self.written)
+
+
+async def _relayed(pool: Pool, port: int, *, idle_s: float | None = 5, every: int = 2**16
+                   ) -> _Relay:
+    """A request sent on the pool's idle connection to ``port``, relayed by a _Relay."""
+    answer = pool.send_now("127.0.0.1", port, request_bytes(
+        "127.0.0.1", port, "/v1/chat/completions", b'{"model":"m"}', b"application/json"),
+        5, idle_s)
+    assert answer is not None, "no idle connection to send on"
+    return _Relay(answer, every)
+
+
+async def _one_idle_connection(pool: Pool, port: int) -> None:
+    answer = await _post(pool, port)
+    await answer.read()
+    answer.close()
+
+
+CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+           b"transfer-encoding: chunked\r\n\r\n")
+
+
+async def test_a_chunked_answer_is_relayed_read_by_read_as_the_engine_framed_it():
+    # Framing no encoder of ours writes (sizes with leading zeros and in capitals, an
+    # extension, a trailer), and reads that end mid size line, mid data and mid CRLF:
+    # the relay writes exactly what came, and keeps exactly the body's data.
+    body = (b"009;note=x\r\ndata: 1\n\n\r\n" b"1D\r\ndata: {\"text\": \"two words\"}\n\n\r\n"
+            b"9\r\ndata: 3\n\n\r\n" b"0\r\nx-trailer: yes\r\n\r\n")
+    pieces = [body[:5], body[5:12], body[12:24], body[24:40], body[40:]]
+    step = asyncio.Event()
+
+    async def pieces_apart(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+        elif n == 2:
+            writer.write(CHUNKED + pieces[0])
+            for piece in pieces[1:]:
+                await writer.drain()
+                await step.wait()  # the client read what went before: a read each
+                step.clear()
+                writer.write(piece)
+        else:
+            writer.write(CHUNKED + body)
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(pieces_apart) as engine:
+        await _one_idle_connection(pool, engine.port)
+        relay = await _relayed(pool, engine.port, every=16)
+        for k in range(len(pieces)):
+            for _ in range(500):
+                if (relay.early is not None) + len(relay.written) > k:
+                    break
+                await asyncio.sleep(0.01)
+            step.set()
+        await asyncio.wait_for(relay.over.wait(), 5)
+        answer = relay.answer
+        assert answer.done and answer.error is None
+        assert relay.early == pieces[0]  # the head's read: its body part, as it came
+        assert relay.written == pieces[1:]  # one write a read, each as it came
+        assert relay.firsts == 1
+        data = b"".join(b"".join(parts) for parts in relay.kept)
+        assert data == b'data: 1\n\ndata: {"text": "two words"}\n\ndata: 3\n\n'
+        # Kept every 16 bytes of reads and at the end: in more than one batch.
+        assert len(relay.kept) > 1
+        answer.close()
+        # Relayed to its end, the connection was kept. The next answer comes whole in
+        # the head's read: relayed in one piece, nothing written after.
+        again = await _relayed(pool, engine.port)
+        await asyncio.wait_for(again.over.wait(), 5)
+        assert (again.early, again.written, again.firsts) == (body, [], 0)
+        assert b"".join(b"".join(parts) for parts in again.kept) == data
+        again.answer.close()
+        assert engine.connections == 1
+    await pool.close()
+
+
+async def test_an_answer_is_relayed_only_when_chunked_with_its_head_first_in_a_read():
+    # Where the body begins in a read is known only for a head that began the read and
+    # ended in it; a body with a length is framed by the relay's writer instead.
+    step = asyncio.Event()
+    half = CHUNKED.index(b"\r\n") + 2
+
+    async def answers(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+        elif n == 2:
+            writer.write(OK)  # a length, not chunks
+        elif n == 3:
+            writer.write(CHUNKED[:half])  # the head in two reads
+            await writer.drain()
+            await step.wait()
+            writer.write(CHUNKED[half:] + b"5\r\nhello\r\n0\r\n\r\n")
+        else:
+            writer.write(b"\r\n\r\n" + CHUNKED + b"0\r\n\r\n")  # empty lines first
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answers) as engine:
+        await _one_idle_connection(pool, engine.port)
+        for n in (2, 3, 4):
+            relay = await _relayed(pool, engine.port)
+            if n == 3:
+                for _ in range(500):  # the first half read on its own
+                    if not relay.answer.got_nothing:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not relay.answer.got_nothing
+                step.set()
+            await asyncio.wait_for(relay.over.wait(), 5)
+            assert relay.answer.status == 200 and relay.early is None, n
+            relay.answer.stop_pipe()
+            relay.answer.watch(None)
+            # Still there to read the usual way.
+            assert await asyncio.wait_for(relay.answer.read(), 5) in (
+                b'{"ok":true}', b"hello", b""), n
+            relay.answer.close()
+        assert engine.connections == 1
+    await pool.close()
+
+
+async def test_a_head_with_bare_line_feeds_is_not_http():
+    # relayable() finds a head's end at its first CRLF CRLF: true only while llhttp takes
+    # no line ended by a lone LF, as here.
+    async def bare(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\ntransfer-encoding: chunked\n\n5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(bare) as engine:
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await _post(pool, engine.port)
+    await pool.close()
+
+
+@pytest.mark.parametrize(("after", "ends", "at_chunk_end"), [
+    (b"5\r\nhello\r\n", "silent", True),
+    (b"5\r\nhel", "silent", False),
+    (b"5\r\nhello\r", "gone", False),
+    (b"5\r\nhello\r\n", "gone", True),
+    (b"5\r\nhello\r\nzz\r\n", "garbage", False),
+    (b"5\r\nhello\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n", "garbage", False),
+])
+async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
+        after, ends, at_chunk_end):
+    # What the relay's writer needs to end its client's body: whether what it relayed
+    # stopped between chunks (it may add a chunk of its own) or inside one (it may not).
+    # A read that does not parse is not relayed, even if the answer ended in it.
+    step = asyncio.Event()
+
+    async def answers(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+            await writer.drain()
+            return None
+        writer.write(CHUNKED + b"3\r\none\r\n")
+        await writer.drain()
+        await step.wait()  # a read of its own
+        if ends == "garbage":
+            writer.write(after)
+            await writer.drain()
+            await reader.read()
+            return False
+        writer.write(after)
+        await writer.drain()
+        if ends == "silent":
+            await reader.read()  # until the client goes
+        return False
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answers) as engine:
+        await _one_idle_connection(pool, engine.port)
+        relay = await _relayed(pool, engine.port, idle_s=0.3)
+        for _ in range(500):
+            if relay.early is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert relay.early == b"3\r\none\r\n"
+        step.set()
+        await asyncio.wait_for(relay.over.wait(), 5)
+        answer = relay.answer
+        assert answer.error is not None
+        if ends == "silent":
+            assert isinstance(answer.error, UpstreamTimeout)
+        elif ends == "garbage":
+            assert "not valid HTTP" in str(answer.error)
+        assert answer.at_chunk_end is at_chunk_end
+        relayed = relay.relayed
+        assert relayed == (b"3\r\none\r\n" if ends == "garbage" else b"3\r\none\r\n" + after)
+        kept = b"".join(b"".join(parts) for parts in relay.kept)
+        assert kept.startswith(b"one")
+        answer.close()
+    await pool.close()

@@ -7,8 +7,12 @@ relaying every event of the stream (bench/README.md); for a whole answer, more t
 rest of the request. So ``routes.GatewayFront.serve_now`` sends a request that needs no
 wait (its key read lately, a free slot, an idle connection to the engine) at once, from
 the server's callback, and an Exchange answers it from the engine connection's callbacks:
-the head when it comes, then a stream's body through the client's BodyWriter as ``pipe``
-hands it on, then the end; or a whole answer at once when it is all in. What it says in
+the head when it comes, then a stream's body through the client's BodyWriter, then the
+end; or a whole answer at once when it is all in. A stream the engine sends in chunks, as
+engines do, is relayed as it came, chunk framing and all (``Answer.start_relay``): each
+read from the engine is written to the client from the engine connection's callback, with
+no Python call of llmgw's in between; any other is handed on by ``pipe`` and framed in
+chunks again. What it says in
 each case (timeouts, an engine that breaks off, usage, metrics) is what
 ``proxy.forward`` says: the words are the same functions.
 
@@ -23,7 +27,7 @@ import logging
 from collections.abc import Callable
 
 from llmgw.config import Gateway
-from llmgw.core.usage import StreamUsage
+from llmgw.core.usage import SETTLE_BYTES, StreamUsage
 from llmgw.server.errors import ApiError
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai.proxy import (
@@ -53,8 +57,8 @@ class Exchange:
     over, however it ended."""
 
     __slots__ = ("_answer", "_done", "_fall_back", "_gateway", "_kept", "_lease", "_over",
-                 "_progress", "_reader", "_relayed", "_stream", "_streaming", "_usage",
-                 "_writer")
+                 "_progress", "_reader", "_relayed", "_relaying", "_stream", "_streaming",
+                 "_usage", "_writer")
 
     def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
                  progress: Progress, usage: UsageSink | None,
@@ -74,6 +78,7 @@ class Exchange:
         self._kept: list[bytes] | None = None
         self._reader: StreamUsage | None = None
         self._relayed = False  # some of a stream's body was written
+        self._relaying = False  # the stream is relayed as the engine framed it
         answer.watch(self._step)
         writer.on_disconnect(self._client_gone)
 
@@ -122,13 +127,23 @@ class Exchange:
             return True
         self._streaming = True
         self._progress.started(200)
-        if answer.pending:
+        reader = self._reader = StreamUsage() if self._usage is not None else None
+        early = answer.relayable()
+        if answer.pending or early:
             writer.hold()  # the first chunk came with the head: both in one write
         writer.start(200, answer_headers(answer.headers, whole=False))
-        reader = self._reader = StreamUsage() if self._usage is not None else None
-        answer.start_pipe(writer.sink(answer.resume, self._first_bytes,
-                                      reader))
-        writer.release()
+        if early is None:
+            answer.start_pipe(writer.sink(answer.resume, self._first_bytes, reader))
+            writer.release()
+            return True
+        self._relaying = True
+        on_first: Callable[[], None] | None = self._first_bytes
+        if answer.pending:
+            self._first_bytes()
+            on_first = None
+        write = writer.relay(early, answer.pause, answer.resume)
+        answer.start_relay(write, on_first, None if reader is None else reader.feed,
+                           SETTLE_BYTES)
         return True
 
     def _end(self) -> None:
@@ -137,7 +152,15 @@ class Exchange:
         answer, writer, progress = self._answer, self._writer, self._progress
         err = answer.error
         last = answer.take() if answer.pending else b""
-        if self._streaming:
+        if self._relaying:
+            self._over = True
+            writer.on_disconnect(None)
+            if err is None:
+                writer.end_relayed()  # the engine's last chunk went with the rest
+            else:
+                self._end_relay(broken_stream(err, self._lease.replica, self._gateway))
+            self._finish()
+        elif self._streaming:
             self._over = True
             writer.on_disconnect(None)
             if last:
@@ -156,6 +179,14 @@ class Exchange:
             write_whole(writer, answer.status, answer.headers,
                         b"".join(self._kept) + last, progress, self._usage)
             self._finish()
+
+    def _end_relay(self, event: bytes) -> None:
+        """End a relayed stream that broke off with ``event``, if it stopped at a chunk's
+        end; else close the client's connection: its client sees the stream break."""
+        if self._answer.at_chunk_end:
+            self._writer.finish(event)
+        else:
+            self._writer.cut()
 
     def _first_bytes(self) -> None:
         self._relayed = True
@@ -193,9 +224,13 @@ class Exchange:
         self._over = True
         self._writer.on_disconnect(None)
         try:
-            if self._streaming:
-                self._writer.finish(stream_error("internal error; the server's log has the "
-                                                 "details", "internal_error"))
+            error = stream_error("internal error; the server's log has the details",
+                                 "internal_error")
+            if self._relaying:
+                self._answer.stop_pipe()  # nothing more relayed before the end
+                self._end_relay(error)
+            elif self._streaming:
+                self._writer.finish(error)
             else:
                 self._write_error(ApiError(500, "internal error; the server's log has the "
                                            "details", code="internal_error"))

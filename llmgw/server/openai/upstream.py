@@ -188,8 +188,9 @@ class Pool:
 class Answer:
     """One answer from an engine: status and kept headers once ``Pool.post`` returns, then
     the body with ``read()`` (whole), ``chunk()`` (as it comes, ``b""`` at the end) or
-    ``pipe()`` (handed on from the connection's callback). ``close()`` ends it early,
-    dropping the connection so the engine learns nobody listens."""
+    ``pipe()`` (handed on from the connection's callback), or a chunked one relayed as the
+    engine framed it (``relayable``, ``start_relay``). ``close()`` ends it early, dropping
+    the connection so the engine learns nobody listens."""
 
     __slots__ = ("_chunks", "_conn", "_done", "_error", "_first_by", "_first_byte_s",
                  "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "_watch",
@@ -315,10 +316,75 @@ class Answer:
             self._arm(self._idle_s)
 
     def stop_pipe(self) -> None:
-        if self._sink is not None and self._conn.sink is self._sink:
-            self._conn.sink = None
+        """No more of the body goes to the ``start_pipe`` sink or the ``start_relay``
+        write."""
+        self._unsink()
         self._sink = None
         self._disarm()
+
+    def relayable(self) -> bytes | None:
+        """For a caller that would relay the body as the engine framed it, chunk sizes and
+        all, rather than have it parsed into parts and framed again (``start_relay``): the
+        bytes of the body that came with the head, as they came (maybe none). None when
+        the body cannot be relayed so: it is not chunked, its head came in more than one
+        read (where it ends is then not known here), or a read came since the head."""
+        conn = self._conn
+        data = conn._read
+        if conn.answer is not self or not conn._chunked or conn._head_read is not data \
+                or conn.relay is not None or not data.startswith(b"HTTP/"):
+            return None  # (llhttp skips empty lines before a head: not known how many)
+        # The head began the read, and ends at its first empty line: llhttp takes no line
+        # that ends without a CR (tests/integration/test_upstream_client.py).
+        return data[data.index(b"\r\n\r\n") + 4:]
+
+    def start_relay(self, write: Callable[[bytes], object], on_first: Callable[[], None] | None,
+                    keep: Callable[[list[bytes]], None] | None, every: int) -> None:
+        """After ``relayable`` gave the body's first bytes (which the caller writes): each
+        read from the engine goes to ``write`` as it came, from the connection's callback,
+        head excepted, chunk framing and the body's end included. The reads are still
+        parsed, for where the answer ends and for its body's parts, which go to ``keep``
+        (if any) once ``every`` bytes came since the last time, and when the relay ends:
+        first those that came with the head. ``on_first`` is called before the first
+        read is written. As with a pipe, ``watch`` learns when the answer is complete or
+        failed (for a caller that ``watch``es it); a failed one may have stopped in the
+        middle of a chunk (``at_chunk_end``). ``pause`` and ``resume`` are for the writer's
+        reader lagging behind."""
+        conn = self._conn
+        parts = list(self._chunks)
+        self._chunks.clear()
+        self._queued = 0
+        if keep is not None and parts:
+            keep(parts)
+        if self._done or self._error is not None:
+            return  # came whole with the head
+        conn._relay_keep, conn._relay_every, conn._relay_left = keep, every, every
+        if on_first is None:
+            conn.relay = write
+        else:
+            def first(data: bytes) -> None:
+                if conn.relay is first:  # else this very read ended the relay
+                    conn.relay = write
+                on_first()
+                write(data)
+
+            conn.relay = first
+        if not self._last:
+            self._arm_first()
+        elif self._idle_s is not None:
+            self._last = _monotonic()
+            self._arm(self._idle_s)
+
+    @property
+    def at_chunk_end(self) -> bool:
+        """A relayed answer stopped where one chunk ended and before the next began: a
+        caller may end what it relayed with chunks of its own. False once a read did not
+        parse (its bytes were not relayed, and where the parser stopped is not known)."""
+        conn = self._conn
+        return not conn._open_chunk and conn._read.endswith(b"\r\n")
+
+    def pause(self) -> None:
+        """Stop reading from the engine until ``resume``."""
+        self._conn.pause()
 
     def watch(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the answer moves on (its head came, body came with no
@@ -475,10 +541,13 @@ class Answer:
         self._moved()
 
     def _unsink(self) -> None:
-        """What comes of the body from here on is no longer handed to the sink as it
-        comes (``_Connection.data_received``)."""
-        if self._sink is not None and self._conn.sink is self._sink:
-            self._conn.sink = None
+        """What comes of the body from here on is no longer handed to the sink, or relayed,
+        as it comes (``_Connection.data_received``)."""
+        conn = self._conn
+        if self._sink is not None and conn.sink is self._sink:
+            conn.sink = None
+        if conn.relay is not None and conn.answer is self:
+            conn.stop_relay()
 
     def _queue(self, parts: list[bytes]) -> None:
         """A read's body parts with no ``pipe`` sink yet (or the last read's, for a
@@ -520,6 +589,12 @@ class _Connection(asyncio.Protocol):
         self.answer: Answer | None = None
         # The answer's pipe sink while its body comes: each read's parts go to it at once.
         self.sink: Callable[[list[bytes]], bool] | None = None
+        # The answer's relay while its body comes (``Answer.start_relay``): each read goes
+        # to it as it came; the body's parts go to ``_relay_keep`` every ``_relay_every``
+        # bytes (``_relay_left`` to go).
+        self.relay: Callable[[bytes], object] | None = None
+        self._relay_keep: Callable[[list[bytes]], None] | None = None
+        self._relay_every = self._relay_left = 0
         # An answer's watch was made due in a read: ``data_received`` runs it at its end.
         self.due = False
         self.got_nothing = True
@@ -529,11 +604,20 @@ class _Connection(asyncio.Protocol):
         # ``data_received`` hands them on once the read is parsed.
         self._parts: list[bytes] = []
         self.on_body = self._parts.append
+        # Not empty from a chunk's size line to the CRLF after its data: where a relayed
+        # answer stopped (``Answer.at_chunk_end``). C calls, as ``on_body``.
+        self._open_chunk: list[None] = []
+        self.on_chunk_header = functools.partial(self._open_chunk.append, None)
+        self.on_chunk_complete = self._open_chunk.clear
+        # The latest read, and the one the answer's head began in (``Answer.relayable``).
+        self._read = b""
+        self._head_read: bytes | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._lost = False
         self.paused = False
         self.loop = asyncio.get_running_loop()
         self._framed = False  # the answer says where its body ends
+        self._chunked = False  # in chunks, and only that
         self._keep_alive = False
         self._until_eof = False
         self._upgraded = False  # the answer was a switch of protocols
@@ -545,9 +629,12 @@ class _Connection(asyncio.Protocol):
     def start(self, answer: Answer, payload: bytes) -> None:
         self.answer = answer
         self.sink = None
+        self.relay = None
         self.got_nothing = True
         self._headers = []
-        self._framed = False
+        self._framed = self._chunked = False
+        self._open_chunk.clear()
+        self._read, self._head_read = b"", None
         self.transport.write(payload)
 
     def finish(self, answer: Answer, reuse: bool) -> None:
@@ -555,6 +642,8 @@ class _Connection(asyncio.Protocol):
             return
         self.answer = None
         self.sink = None
+        self.stop_relay()
+        self._read, self._head_read = b"", None  # not kept while idle
         if reuse and self._keep_alive and self.usable():
             # Read whole, but reading may have been paused for a client that left or
             # lagged as the last chunk came: the next answer on it must be read.
@@ -597,6 +686,23 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def stop_relay(self) -> None:
+        """The relay ends: the body's parts not yet kept go to its ``keep``."""
+        if self.relay is None:
+            return
+        self.relay = None
+        self._settle_relay()
+        self._relay_keep = None
+
+    def _settle_relay(self) -> None:
+        keep, parts = self._relay_keep, self._parts
+        self._relay_left = self._relay_every
+        try:
+            if keep is not None and parts:
+                keep(parts)
+        finally:
+            parts.clear()
+
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
             self.paused = True
@@ -615,6 +721,26 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         # Every read of every stream: kept short, in one frame; the rest is handled apart.
         # (Bytes nobody asked for fail the parse: ``on_message_begin``.)
+        self._read = data
+        relay = self.relay
+        if relay is not None:
+            # A relayed stream: parsed for its end and its parts (into ``_parts``, for
+            # ``_relay_keep``), written on as it came. The read that ends it stops the
+            # relay as it is parsed and is still written here.
+            try:
+                self._parser.feed_data(data)
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
+                self._unparsable(err, relaying=True)
+                return
+            relay(data)
+            self.answer._last = _monotonic()
+            left = self._relay_left - len(data)
+            self._relay_left = left
+            if left < 0:
+                self._settle_relay()
+            if self.due:
+                self._run_due()
+            return
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
@@ -654,17 +780,23 @@ class _Connection(asyncio.Protocol):
         finally:
             parts.clear()  # never handed on twice, whatever a sink does
 
-    def _unparsable(self, err: httptools.HttpParserError | httptools.HttpParserUpgrade
-                    ) -> None:
+    def _unparsable(self, err: httptools.HttpParserError | httptools.HttpParserUpgrade,
+                    relaying: bool = False) -> None:
         """The read did not parse: what parsed before the error is the answer's (bytes
         after a whole answer are the connection's fault, not the answer's) and is handed
-        on, then the answer fails and the connection is dropped."""
+        on, then the answer fails and the connection is dropped. A relayed answer fails
+        even if it ended in the read: ``relaying`` writes a read whole or not at all, so
+        its end was not relayed."""
         answer = self.answer
         if answer is None:
             # Nothing was asked: an engine talking out of turn is not to be trusted.
             self._parts.clear()
             self.abort()
             return
+        # Not relayed, nor to be (``Answer.relayable``), and where in a chunk the parser
+        # stopped is not known: not at a chunk's end (``Answer.at_chunk_end``).
+        self._read = b""
+        self.stop_relay()
         if isinstance(err, httptools.HttpParserUpgrade):
             # A 101: its head was kept from the answer (on_headers_complete).
             broken = UpstreamError("the engine answered by switching protocols (101), "
@@ -676,6 +808,8 @@ class _Connection(asyncio.Protocol):
             if self._parts:
                 self._hand_on()
         finally:
+            if relaying and answer._done:
+                answer._error = broken  # its watch, due, finds it failed
             answer._fail(broken, in_read=True)
             self.abort()
             if self.due:
@@ -720,12 +854,16 @@ class _Connection(asyncio.Protocol):
         if answer is None or answer._done:
             raise _Unasked
         self.got_nothing = False
+        self._head_read = self._read
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name in KEPT_HEADERS:
             self._headers.append((name, value))
-        elif name == b"content-length" or name == b"transfer-encoding":
+        elif name == b"transfer-encoding":
+            self._framed = True
+            self._chunked = value.lower() == b"chunked"
+        elif name == b"content-length":
             self._framed = True
 
     def on_headers_complete(self) -> None:
