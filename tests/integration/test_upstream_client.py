@@ -918,6 +918,7 @@ async def test_a_head_with_bare_line_feeds_is_not_http():
 @pytest.mark.parametrize(("after", "ends", "at_chunk_end"), [
     (b"5\r\nhello\r\n", "silent", True),
     (b"5\r\nhel", "silent", False),
+    (b"1", "silent", False),  # in a size line: "10" would be a size
     (b"5\r\nhello\r", "gone", False),
     (b"5\r\nhello\r\n", "gone", True),
     (b"5\r\nhello\r\nzz\r\n", "garbage", False),
@@ -966,7 +967,8 @@ async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
             assert isinstance(answer.error, UpstreamTimeout)
         elif ends == "garbage":
             assert "not valid HTTP" in str(answer.error)
-        assert answer.at_chunk_end is at_chunk_end
+        assert answer.at_chunk_end() is at_chunk_end
+        assert answer.at_chunk_end() is at_chunk_end  # asked again: the same
         relayed = relay.relayed
         assert relayed == (b"3\r\none\r\n" if ends == "garbage" else b"3\r\none\r\n" + after)
         kept = b"".join(b"".join(parts) for parts in relay.kept)

@@ -183,7 +183,7 @@ class Exchange:
     def _end_relay(self, event: bytes) -> None:
         """End a relayed stream that broke off with ``event``, if it stopped at a chunk's
         end; else close the client's connection: its client sees the stream break."""
-        if self._answer.at_chunk_end:
+        if self._answer.at_chunk_end():
             self._writer.finish(event)
         else:
             self._writer.cut()

@@ -192,7 +192,8 @@ class Answer:
     engine framed it (``relayable``, ``start_relay``). ``close()`` ends it early, dropping
     the connection so the engine learns nobody listens."""
 
-    __slots__ = ("_chunks", "_conn", "_done", "_error", "_first_by", "_first_byte_s",
+    __slots__ = ("_at_chunk_end", "_chunks", "_conn", "_done", "_error", "_first_by",
+                 "_first_byte_s",
                  "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "_watch",
                  "_watch_due", "headers", "status")
 
@@ -221,6 +222,7 @@ class Answer:
         self._first_by = 0.0
         # When the body last moved (monotonic seconds), or 0.0 while none of it has come.
         self._last = 0.0
+        self._at_chunk_end: bool | None = None  # once asked
 
     # --- read side ------------------------------------------------------------------------
 
@@ -374,13 +376,16 @@ class Answer:
             self._last = _monotonic()
             self._arm(self._idle_s)
 
-    @property
     def at_chunk_end(self) -> bool:
-        """A relayed answer stopped where one chunk ended and before the next began: a
-        caller may end what it relayed with chunks of its own. False once a read did not
-        parse (its bytes were not relayed, and where the parser stopped is not known)."""
-        conn = self._conn
-        return not conn._open_chunk and conn._read.endswith(b"\r\n")
+        """A relayed answer that failed stopped where one chunk ended and before the next
+        began: a caller may end what it relayed with chunks of its own. False once a read
+        did not parse (its bytes were not relayed)."""
+        if self._error is None or not self.status:
+            raise RuntimeError("Answer.at_chunk_end before the answer's head came and it "
+                               "failed")
+        if self._at_chunk_end is None:
+            self._at_chunk_end = self._conn.ends_with(b"0\r\n\r\n")
+        return self._at_chunk_end
 
     def pause(self) -> None:
         """Stop reading from the engine until ``resume``."""
@@ -604,12 +609,8 @@ class _Connection(asyncio.Protocol):
         # ``data_received`` hands them on once the read is parsed.
         self._parts: list[bytes] = []
         self.on_body = self._parts.append
-        # Not empty from a chunk's size line to the CRLF after its data: where a relayed
-        # answer stopped (``Answer.at_chunk_end``). C calls, as ``on_body``.
-        self._open_chunk: list[None] = []
-        self.on_chunk_header = functools.partial(self._open_chunk.append, None)
-        self.on_chunk_complete = self._open_chunk.clear
-        # The latest read, and the one the answer's head began in (``Answer.relayable``).
+        # The latest read not relayed, and the one the answer's head began in
+        # (``Answer.relayable``).
         self._read = b""
         self._head_read: bytes | None = None
         self._parser = httptools.HttpResponseParser(self)
@@ -617,6 +618,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.loop = asyncio.get_running_loop()
         self._framed = False  # the answer says where its body ends
+        self._probing = False  # ``ends_with`` is feeding the parser
         self._chunked = False  # in chunks, and only that
         self._keep_alive = False
         self._until_eof = False
@@ -633,7 +635,6 @@ class _Connection(asyncio.Protocol):
         self.got_nothing = True
         self._headers = []
         self._framed = self._chunked = False
-        self._open_chunk.clear()
         self._read, self._head_read = b"", None
         self.transport.write(payload)
 
@@ -721,7 +722,6 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         # Every read of every stream: kept short, in one frame; the rest is handled apart.
         # (Bytes nobody asked for fail the parse: ``on_message_begin``.)
-        self._read = data
         relay = self.relay
         if relay is not None:
             # A relayed stream: parsed for its end and its parts (into ``_parts``, for
@@ -741,6 +741,7 @@ class _Connection(asyncio.Protocol):
             if self.due:
                 self._run_due()
             return
+        self._read = data
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
@@ -793,9 +794,7 @@ class _Connection(asyncio.Protocol):
             self._parts.clear()
             self.abort()
             return
-        # Not relayed, nor to be (``Answer.relayable``), and where in a chunk the parser
-        # stopped is not known: not at a chunk's end (``Answer.at_chunk_end``).
-        self._read = b""
+        self._read = b""  # not to be relayed (``Answer.relayable``)
         self.stop_relay()
         if isinstance(err, httptools.HttpParserUpgrade):
             # A 101: its head was kept from the answer (on_headers_complete).
@@ -880,5 +879,23 @@ class _Connection(asyncio.Protocol):
         self.answer._head(parser.get_status_code(), self._headers)
 
     def on_message_complete(self) -> None:
-        if not self._upgraded:
+        if self._probing:
+            self._probing = False  # ``ends_with``'s bytes ended the answer
+        elif not self._upgraded:
             self.answer._complete(in_read=True)
+
+    def ends_with(self, end: bytes) -> bool:
+        """Whether ``end`` would end the answer whose read stopped (it failed, and the
+        connection is dropped): ``end`` is fed to the parser, which is of no use after.
+        With the end of a chunked body, whether the answer stopped between chunks: in a
+        chunk, the parser takes those bytes as the chunk's, or fails on them."""
+        self._probing = True
+        try:
+            self._parser.feed_data(end)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            return False
+        else:
+            return not self._probing  # on_message_complete says so
+        finally:
+            self._probing = False
+            self._parts.clear()
