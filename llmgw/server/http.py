@@ -89,9 +89,11 @@ class BodyWriter:
     that a response's head and body leave in one packet. Offered to the app as the ASGI
     extension BODY_WRITER.
 
-    ``write`` is for a chunked response only, between its start and its end: each sent
-    through ``send``, or written with ``start`` and ``finish``, which keep uvicorn's
-    account of the response as ``send`` does (keep-alive, the next pipelined request)."""
+    ``write`` (and ``sink``, and ``relay``, which hands out the connection's own write for
+    bytes already framed as chunks) is for a chunked response only, between its start and
+    its end: each sent through ``send``, or written with ``start`` and ``finish`` (or
+    ``end_relayed``), which keep uvicorn's account of the response as ``send`` does
+    (keep-alive, the next pipelined request)."""
 
     __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_streaming",
                  "_transport")

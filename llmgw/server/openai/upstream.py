@@ -193,9 +193,8 @@ class Answer:
     the connection so the engine learns nobody listens."""
 
     __slots__ = ("_at_chunk_end", "_chunks", "_conn", "_done", "_error", "_first_by",
-                 "_first_byte_s",
-                 "_idle_s", "_last", "_limit", "_queued", "_sink", "_waiter", "_watch",
-                 "_watch_due", "headers", "status")
+                 "_first_byte_s", "_idle_s", "_last", "_limit", "_queued", "_sink",
+                 "_waiter", "_watch", "_watch_due", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -349,8 +348,8 @@ class Answer:
         first those that came with the head. ``on_first`` is called before the first
         read is written. As with a pipe, ``watch`` learns when the answer is complete or
         failed (for a caller that ``watch``es it); a failed one may have stopped in the
-        middle of a chunk (``at_chunk_end``). ``pause`` and ``resume`` are for the writer's
-        reader lagging behind."""
+        middle of a chunk (``at_chunk_end``). ``pause`` and ``resume`` are for when
+        ``write``'s reader lags behind."""
         conn = self._conn
         parts = list(self._chunks)
         self._chunks.clear()
