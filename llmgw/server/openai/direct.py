@@ -181,9 +181,13 @@ class Exchange:
             self._finish()
 
     def _end_relay(self, event: bytes) -> None:
-        """End a relayed stream that broke off with ``event``, if it stopped at a chunk's
-        end; else close the client's connection: its client sees the stream break."""
-        if self._answer.at_chunk_end():
+        """End a relayed stream that broke off, or was stopped, with ``event``, if it
+        stopped at a chunk's end; else close the client's connection: its client sees the
+        stream break. (One whose end was relayed is complete as it is.)"""
+        answer = self._answer
+        if answer.done and answer.error is None:
+            self._writer.end_relayed()
+        elif answer.at_chunk_end():
             self._writer.finish(event)
         else:
             self._writer.cut()

@@ -376,12 +376,12 @@ class Answer:
             self._arm(self._idle_s)
 
     def at_chunk_end(self) -> bool:
-        """A relayed answer that failed stopped where one chunk ended and before the next
-        began: a caller may end what it relayed with chunks of its own. False once a read
-        did not parse (its bytes were not relayed)."""
-        if self._error is None or not self.status:
-            raise RuntimeError("Answer.at_chunk_end before the answer's head came and it "
-                               "failed")
+        """A relayed answer that failed, or whose relay was stopped before its end, stopped
+        where one chunk ended and before the next began: a caller may end what it relayed
+        with chunks of its own. False once a read did not parse (its bytes were not
+        relayed). Its connection is not used again (``close`` drops it)."""
+        if not self.status or (self._done and self._error is None):
+            raise RuntimeError("Answer.at_chunk_end of an answer with no head, or whole")
         if self._at_chunk_end is None:
             self._at_chunk_end = self._conn.ends_with(b"0\r\n\r\n")
         return self._at_chunk_end
