@@ -12,9 +12,8 @@ end; or a whole answer at once when it is all in. A stream the engine sends in c
 engines do, is relayed as it came, chunk framing and all (``Answer.start_relay``): each
 read from the engine is written to the client from the engine connection's callback, with
 no Python call of llmgw's in between; any other is handed on by ``pipe`` and framed in
-chunks again. What it says in
-each case (timeouts, an engine that breaks off, usage, metrics) is what
-``proxy.forward`` says: the words are the same functions.
+chunks again. What it says in each case (timeouts, an engine that breaks off, usage,
+metrics) is what ``proxy.forward`` says: the words are the same functions.
 
 An answer that another replica may still take instead (the engine refused before
 answering) goes back to the request's task path, which retries it, as long as nothing was
