@@ -95,8 +95,8 @@ class BodyWriter:
     ``end_relayed``), which keep uvicorn's account of the response as ``send`` does
     (keep-alive, the next pipelined request)."""
 
-    __slots__ = ("_cycle", "_flow", "_held", "_on_gone", "_protocol", "_streaming",
-                 "_transport")
+    __slots__ = ("_callbacks", "_cycle", "_flow", "_held", "_on_gone", "_protocol",
+                 "_streaming", "_transport")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
         self._protocol: BoundedHeadProtocol | None = protocol  # None once the client left
@@ -112,6 +112,9 @@ class BodyWriter:
         self._on_gone: Callable[[], None] | None = None
         # The response was seen started and chunked: later writes skip asking the cycle.
         self._streaming = False
+        # The connection's callbacks it set (``when_writable``, ``relay``): taken back
+        # when the response is over, if still there.
+        self._callbacks: tuple[Callable[[], None], ...] = ()
 
     @property
     def disconnected(self) -> bool:
@@ -222,14 +225,14 @@ class BodyWriter:
         """End a relayed body that stopped inside a chunk, which no chunk of ours may
         follow: the connection is closed once what was written has gone, and the client
         sees the body end before its last chunk, as a broken response."""
-        self._stop_relay()
+        self._take_back_callbacks()
         cycle = self._cycle()
         if cycle is not None and not cycle.response_complete:
             cycle.keep_alive = False
             self._transport.close()
 
     def _complete(self, cycle: RequestResponseCycle) -> None:
-        self._stop_relay()
+        self._take_back_callbacks()
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:
@@ -358,6 +361,7 @@ class BodyWriter:
 
         if protocol is not None:
             protocol._on_full = full  # from the write that fills the client's buffer
+            self._callbacks += (full,)
         if early:
             self._write_framed(early)
         else:
@@ -366,17 +370,25 @@ class BodyWriter:
             full()  # full before this write, or by it
         return self._transport.write
 
-    def _stop_relay(self) -> None:
-        protocol = self._protocol
-        if protocol is not None and protocol._writer is self:
-            protocol._on_full = None
-            protocol._on_writable = None
+    def _take_back_callbacks(self) -> None:
+        """The response is over: the connection's callbacks this writer set are taken back
+        (a later request on the connection, pipelined or kept alive, must not pause or
+        resume this one's engine)."""
+        protocol, mine = self._protocol, self._callbacks
+        if protocol is not None and mine:
+            if protocol._on_full in mine:
+                protocol._on_full = None
+            if protocol._on_writable in mine:
+                protocol._on_writable = None
+        self._callbacks = ()
 
     def when_writable(self, callback: Callable[[], None]) -> None:
         """After ``write`` said False: call ``callback`` once, when the client's connection
         has drained (never, if the client is gone)."""
         if self._protocol is not None:
             self._protocol._on_writable = callback
+            if callback not in self._callbacks:  # a sink's resume, each time it is full
+                self._callbacks += (callback,)
 
 
 def _nothing() -> None:

@@ -72,6 +72,9 @@ async def _written(scope, send, chunks: int, running: _Running, way: str) -> Non
 
     def pause() -> None:
         nonlocal full
+        if done.is_set():
+            running.late_pauses += 1  # a later response filled the connection
+            return
         full = True
         running.full.set()
         running.resumed -= 1
@@ -147,6 +150,7 @@ class _Running:
         self.resumed = 0  # when_writable calls not yet called back, negated
         self.tap = _Tap()  # what a sink handed on for a stream's usage
         self.firsts = 0  # a sink's on_first calls
+        self.late_pauses = 0  # a relay's pause called once its response was over
 
         async def app(scope, receive, send) -> None:
             await _echo(scope, receive, send, self)
@@ -762,3 +766,28 @@ async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_the
                 assert resp.status == 200 and (await resp.json())["scheme"] == "http"
         assert app.now == ["/now/stream", "/now/whole"] * 2 + ["/now/back"]
         assert running.server.server_state.total_requests == 7
+
+
+async def test_a_relayed_response_over_leaves_no_callback_for_the_next_on_its_connection():
+    # A relayed response, then one pipelined behind it that fills the client's connection:
+    # the connection saying so must reach the second's writer only, not the first's relay
+    # (whose engine connection may by then serve another request).
+    async with _Running() as running:
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**18)
+        conn.settimeout(10)
+        await asyncio.to_thread(conn.connect, ("127.0.0.1", running.port))
+        try:
+            conn.sendall(b"GET /relayed/1 HTTP/1.1\r\nhost: x\r\n\r\n"
+                         b"GET /written/128 HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(running.full.wait(), 10)  # the second is full
+            answer = b""
+            while answer.count(b"\r\n0\r\n\r\n") < 2:
+                piece = await asyncio.to_thread(conn.recv, 2**20)
+                assert piece, "the server closed the connection mid-answer"
+                answer += piece
+            assert answer.count(b"HTTP/1.1 200 ") == 2
+            assert running.late_pauses == 0
+            assert running.resumed == 0
+        finally:
+            conn.close()

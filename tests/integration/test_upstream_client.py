@@ -919,6 +919,13 @@ async def test_a_head_with_bare_line_feeds_is_not_http():
     (b"5\r\nhello\r\n", "silent", True),
     (b"5\r\nhel", "silent", False),
     (b"1", "silent", False),  # in a size line: "10" would be a size
+    (b"1;a", "silent", False),  # in a size line's extension
+    (b"4\r\n", "silent", False),  # a size line whole: "0\r\n\r\n" would be 4 of data
+    (b"0", "silent", False),  # in the last chunk's line
+    (b"0;ext", "silent", False),
+    (b"0\r\n", "silent", False),  # after the last chunk, before its trailers' end
+    (b"0\r\nx-t: y", "silent", False),  # in a trailer
+    (b"0\r\nx-t: y\r\n", "silent", False),
     (b"5\r\nhello\r", "gone", False),
     (b"5\r\nhello\r\n", "gone", True),
     (b"5\r\nhello\r\nzz\r\n", "garbage", False),
@@ -974,4 +981,50 @@ async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
         kept = b"".join(b"".join(parts) for parts in relay.kept)
         assert kept.startswith(b"one")
         answer.close()
+    await pool.close()
+
+
+async def test_crs_and_lfs_after_a_relayed_answer_are_not_relayed():
+    # llhttp skips CRs and LFs between answers: the read that ends an answer may bring
+    # some after it, which are not the answer's, and must not reach a client that reads
+    # its next answer on the same connection. Three ways: the end and more in one read;
+    # the last chunk's line in one read, the rest of the end and more in the next; a
+    # whole answer, and more, in the head's read.
+    body = b"5\r\nhello\r\n0\r\n\r\n"
+    step = asyncio.Event()
+
+    async def answers(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+        elif n in (2, 3):
+            writer.write(CHUNKED + b"5\r\nhello\r\n")
+            await writer.drain()
+            await step.wait()  # a read of its own
+            step.clear()
+            writer.write(b"0\r\n\r\n\r\n\r\n" if n == 2 else b"0\r\n")
+            if n == 3:
+                await writer.drain()
+                await step.wait()
+                step.clear()
+                writer.write(b"\r\n\r\n\n")
+        else:
+            writer.write(CHUNKED + body + b"\r\n")
+        await writer.drain()
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answers) as engine:
+        await _one_idle_connection(pool, engine.port)
+        for n in (2, 3, 4):
+            relay = await _relayed(pool, engine.port)
+            reads = 2 if n == 2 else 3 if n == 3 else 1
+            for k in range(reads - 1):
+                for _ in range(500):
+                    if (relay.early is not None) + len(relay.written) > k:
+                        break
+                    await asyncio.sleep(0.01)
+                step.set()
+            await asyncio.wait_for(relay.over.wait(), 5)
+            assert relay.answer.done and relay.answer.error is None, n
+            assert relay.relayed == body, (n, relay.relayed)
+            relay.answer.close()
     await pool.close()

@@ -335,8 +335,10 @@ class Answer:
                 or conn.relay is not None or not data.startswith(b"HTTP/"):
             return None  # (llhttp skips empty lines before a head: not known how many)
         # The head began the read, and ends at its first empty line: llhttp takes no line
-        # that ends without a CR (tests/integration/test_upstream_client.py).
-        return data[data.index(b"\r\n\r\n") + 4:]
+        # that ends without a CR (tests/integration/test_upstream_client.py). A whole
+        # answer ends where its last chunk does.
+        end = conn._end_in(data) if self._done else len(data)
+        return data[data.index(b"\r\n\r\n") + 4:end]
 
     def start_relay(self, write: Callable[[bytes], object], on_first: Callable[[], None] | None,
                     keep: Callable[[list[bytes]], None] | None, every: int) -> None:
@@ -383,7 +385,13 @@ class Answer:
         if not self.status or (self._done and self._error is None):
             raise RuntimeError("Answer.at_chunk_end of an answer with no head, or whole")
         if self._at_chunk_end is None:
-            self._at_chunk_end = self._conn.ends_with(b"0\r\n\r\n")
+            # What was relayed ended a line, and the end of a body would end the answer:
+            # from inside a chunk, or a size line, its last chunk or a trailer, the parser
+            # takes those bytes as data, or fails on them (tests/integration/
+            # test_upstream_client.py tries each).
+            conn = self._conn
+            self._at_chunk_end = conn._read.endswith(b"\r\n") and \
+                conn.ends_with(b"0\r\n\r\n")
         return self._at_chunk_end
 
     def pause(self) -> None:
@@ -608,8 +616,8 @@ class _Connection(asyncio.Protocol):
         # ``data_received`` hands them on once the read is parsed.
         self._parts: list[bytes] = []
         self.on_body = self._parts.append
-        # The latest read not relayed, and the one the answer's head began in
-        # (``Answer.relayable``).
+        # The latest read (relayed, as far as it was), and the one the answer's head began
+        # in (``Answer.relayable``).
         self._read = b""
         self._head_read: bytes | None = None
         self._parser = httptools.HttpResponseParser(self)
@@ -731,7 +739,10 @@ class _Connection(asyncio.Protocol):
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
                 self._unparsable(err, relaying=True)
                 return
+            if self.relay is None:  # the answer ended in this read: up to its end only
+                data = data[:self._end_in(data)]
             relay(data)
+            self._read = data
             self.answer._last = _monotonic()
             left = self._relay_left - len(data)
             self._relay_left = left
@@ -882,6 +893,19 @@ class _Connection(asyncio.Protocol):
             self._probing = False  # ``ends_with``'s bytes ended the answer
         elif not self._upgraded:
             self.answer._complete(in_read=True)
+
+    def _end_in(self, data: bytes) -> int:
+        """Where the relayed answer that ended in ``data`` ends in it: at the empty line
+        after its last chunk (and trailers). llhttp skips CRs and LFs between answers, so
+        they are all that may follow; the four bytes of that empty line's CRLF and the one
+        before it come after the last other byte, in this read or (the rest) the one
+        before. (Were that one also all CRs and LFs, the end is put too late, never too
+        early.)"""
+        rest = len(data.rstrip(b"\r\n"))
+        if rest:
+            return rest + 4
+        before = self._read
+        return 4 - (len(before) - len(before.rstrip(b"\r\n")))
 
     def ends_with(self, end: bytes) -> bool:
         """Whether ``end`` would end the answer whose read stopped (it failed, and the
