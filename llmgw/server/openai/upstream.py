@@ -739,8 +739,9 @@ class _Connection(asyncio.Protocol):
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
                 self._unparsable(err, relaying=True)
                 return
-            if self.relay is None:  # the answer ended in this read: up to its end only
-                data = data[:self._end_in(data)]
+            if self.due:
+                self._relayed_last(relay, data)
+                return
             relay(data)
             self._read = data
             self.answer._last = _monotonic()
@@ -748,8 +749,6 @@ class _Connection(asyncio.Protocol):
             self._relay_left = left
             if left < 0:
                 self._settle_relay()
-            if self.due:
-                self._run_due()
             return
         self._read = data
         try:
@@ -893,6 +892,19 @@ class _Connection(asyncio.Protocol):
             self._probing = False  # ``ends_with``'s bytes ended the answer
         elif not self._upgraded:
             self.answer._complete(in_read=True)
+
+    def _relayed_last(self, relay: Callable[[bytes], object], data: bytes) -> None:
+        """A relayed read that moved the answer on (it ended in it: the relay stopped as
+        it was parsed), written up to the answer's end, then its watch."""
+        if self.relay is None:
+            data = data[:self._end_in(data)]
+        relay(data)
+        self._read = data
+        self.answer._last = _monotonic()
+        self._relay_left -= len(data)
+        if self._relay_left < 0 and self.relay is not None:
+            self._settle_relay()
+        self._run_due()
 
     def _end_in(self, data: bytes) -> int:
         """Where the relayed answer that ended in ``data`` ends in it: at the empty line
