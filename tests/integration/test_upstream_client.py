@@ -1028,3 +1028,26 @@ async def test_crs_and_lfs_after_a_relayed_answer_are_not_relayed():
             assert relay.relayed == body, (n, relay.relayed)
             relay.answer.close()
     await pool.close()
+
+
+async def test_a_closed_answer_neither_pauses_nor_resumes_its_connection_any_more():
+    # A client's connection calls back the writer that was full after its answer is over
+    # (a late "drained", a "full" from the next response on it); by then the engine
+    # connection serves another answer, whose reading only that answer may pause.
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(_ok) as engine:
+        first = await _post(pool, engine.port)
+        await first.read()
+        first.close()
+        second = await _post(pool, engine.port)
+        conn = second._conn
+        assert first._conn is conn and engine.connections == 1  # the same, kept alive
+        second.pause()
+        first.resume()
+        assert conn.paused
+        second.resume()
+        first.pause()
+        assert not conn.paused
+        assert (second.status, await second.read()) == (200, b'{"ok":true}')
+        second.close()
+    await pool.close()

@@ -395,8 +395,11 @@ class Answer:
         return self._at_chunk_end
 
     def pause(self) -> None:
-        """Stop reading from the engine until ``resume``."""
-        self._conn.pause()
+        """Stop reading from the engine until ``resume``. Nothing once the answer let go of
+        its connection (``close``), which may serve another answer by then: a writer's
+        callback can come late."""
+        if self._conn.answer is self:
+            self._conn.pause()
 
     def watch(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the answer moves on (its head came, body came with no
@@ -423,9 +426,11 @@ class Answer:
         return self._conn.got_nothing
 
     def resume(self) -> None:
-        """Read from the engine again after a ``pipe`` sink said it was full."""
-        if self._conn.paused:
-            self._conn.resume()
+        """Read from the engine again after a ``pipe`` sink said it was full (or after
+        ``pause``). Nothing once the answer let go of its connection, as ``pause``."""
+        conn = self._conn
+        if conn.paused and conn.answer is self:
+            conn.resume()
 
     def take(self) -> bytes:
         """What came and was not handed on yet (``pending``), taken: after a ``watch`` found
