@@ -388,14 +388,20 @@ def _dechunk(data: bytes) -> tuple[list[bytes], bytes]:
         data = data[size + 2:]
 
 
+async def _slow_client(port: int) -> socket.socket:
+    """A client connection with a small receive buffer, connected, reading nothing yet."""
+    conn = socket.socket()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**18)
+    conn.settimeout(10)
+    await asyncio.to_thread(conn.connect, ("127.0.0.1", port))
+    return conn
+
+
 @pytest.mark.parametrize("way", ["written", "sunk", "relayed"])
 async def test_a_body_writer_waits_for_a_slow_client_and_loses_nothing(way):
     chunks = 128  # 8 MiB: well over what the socket buffers between app and client hold
     async with _Running() as running:
-        conn = socket.socket()
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**18)
-        conn.settimeout(10)
-        await asyncio.to_thread(conn.connect, ("127.0.0.1", running.port))
+        conn = await _slow_client(running.port)
         try:
             conn.sendall(f"GET /{way}/{chunks} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
             # The client reads nothing yet: the writer must say full, and wait.
@@ -773,10 +779,7 @@ async def test_a_relayed_response_over_leaves_no_callback_for_the_next_on_its_co
     # the connection saying so must reach the second's writer only, not the first's relay
     # (whose engine connection may by then serve another request).
     async with _Running() as running:
-        conn = socket.socket()
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2**18)
-        conn.settimeout(10)
-        await asyncio.to_thread(conn.connect, ("127.0.0.1", running.port))
+        conn = await _slow_client(running.port)
         try:
             conn.sendall(b"GET /relayed/1 HTTP/1.1\r\nhost: x\r\n\r\n"
                          b"GET /written/128 HTTP/1.1\r\nhost: x\r\n\r\n")

@@ -781,6 +781,20 @@ class _Relay:
     def relayed(self) -> bytes:
         return self.early + b"".join(self.written)
 
+    @property
+    def reads(self) -> int:
+        """Reads relayed so far, the head's included."""
+        return (self.early is not None) + len(self.written)
+
+
+async def _until(predicate, what: str, timeout_s: float = 5.0) -> None:
+    """Poll the connection's state, which offers no event to wait on; fail past the
+    limit."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"waited {timeout_s} s for {what}"
+        await asyncio.sleep(0.01)
+
 
 async def _relayed(pool: Pool, port: int, *, idle_s: float | None = 5, every: int = 2**16
                    ) -> _Relay:
@@ -830,10 +844,7 @@ async def test_a_chunked_answer_is_relayed_read_by_read_as_the_engine_framed_it(
         await _one_idle_connection(pool, engine.port)
         relay = await _relayed(pool, engine.port, every=16)
         for k in range(len(pieces)):
-            for _ in range(500):
-                if (relay.early is not None) + len(relay.written) > k:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda k=k, r=relay: r.reads > k, f"read {k + 1}")
             step.set()
         await asyncio.wait_for(relay.over.wait(), 5)
         answer = relay.answer
@@ -883,19 +894,15 @@ async def test_an_answer_is_relayed_only_when_chunked_with_its_head_first_in_a_r
         for n in (2, 3, 4):
             relay = await _relayed(pool, engine.port)
             if n == 3:
-                for _ in range(500):  # the first half read on its own
-                    if not relay.answer.got_nothing:
-                        break
-                    await asyncio.sleep(0.01)
-                assert not relay.answer.got_nothing
+                await _until(lambda r=relay: not r.answer.got_nothing, "the head's first half")
                 step.set()
             await asyncio.wait_for(relay.over.wait(), 5)
             assert relay.answer.status == 200 and relay.early is None, n
             relay.answer.stop_pipe()
             relay.answer.watch(None)
             # Still there to read the usual way.
-            assert await asyncio.wait_for(relay.answer.read(), 5) in (
-                b'{"ok":true}', b"hello", b""), n
+            assert await asyncio.wait_for(relay.answer.read(), 5) == {
+                2: b'{"ok":true}', 3: b"hello", 4: b""}[n]
             relay.answer.close()
         assert engine.connections == 1
     await pool.close()
@@ -961,10 +968,7 @@ async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
     async with Engine(answers) as engine:
         await _one_idle_connection(pool, engine.port)
         relay = await _relayed(pool, engine.port, idle_s=0.3)
-        for _ in range(500):
-            if relay.early is not None:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: relay.early is not None, "the head")
         assert relay.early == b"3\r\none\r\n"
         step.set()
         await asyncio.wait_for(relay.over.wait(), 5)
@@ -1018,10 +1022,7 @@ async def test_crs_and_lfs_after_a_relayed_answer_are_not_relayed():
             relay = await _relayed(pool, engine.port)
             reads = 2 if n == 2 else 3 if n == 3 else 1
             for k in range(reads - 1):
-                for _ in range(500):
-                    if (relay.early is not None) + len(relay.written) > k:
-                        break
-                    await asyncio.sleep(0.01)
+                await _until(lambda k=k, r=relay: r.reads > k, f"read {k + 1}")
                 step.set()
             await asyncio.wait_for(relay.over.wait(), 5)
             assert relay.answer.done and relay.answer.error is None, n

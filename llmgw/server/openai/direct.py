@@ -154,10 +154,8 @@ class Exchange:
         if self._relaying:
             self._over = True
             writer.on_disconnect(None)
-            if err is None:
-                writer.end_relayed()  # the engine's last chunk went with the rest
-            else:
-                self._end_relay(broken_stream(err, self._lease.replica, self._gateway))
+            self._end_relay(b"" if err is None else
+                            broken_stream(err, self._lease.replica, self._gateway))
             self._finish()
         elif self._streaming:
             self._over = True

@@ -308,9 +308,13 @@ class Answer:
         self._sink = sink
         if not self._done and self._conn.answer is self:
             self._conn.sink = sink  # the rest of the body goes to it as it comes
-        if self._done:
-            pass  # came whole before there was a sink: nothing to time
-        elif not self._last:
+        if not self._done:  # else it came whole before there was a sink: nothing to time
+            self._time_body()
+
+    def _time_body(self) -> None:
+        """The body is handed on as it comes from here: timed by the first-byte limit
+        until its first byte, then by the idle limit, from now."""
+        if not self._last:
             self._arm_first()
         elif self._idle_s is not None:
             self._last = _monotonic()
@@ -371,11 +375,7 @@ class Answer:
                 write(data)
 
             conn.relay = first
-        if not self._last:
-            self._arm_first()
-        elif self._idle_s is not None:
-            self._last = _monotonic()
-            self._arm(self._idle_s)
+        self._time_body()
 
     def at_chunk_end(self) -> bool:
         """A relayed answer that failed, or whose relay was stopped before its end, stopped
