@@ -21,6 +21,10 @@ is counted too and taken off.
 
     .venv/bin/python -m bench.gateway_counts --bytecodes
     .venv/bin/python -m bench.gateway_counts --instructions      # needs valgrind
+    .venv/bin/python -m bench.gateway_counts --instructions --split 4
+
+``--split K`` counts a second cluster too, whose streams are K times as long, and splits
+a stream's count into its request's (once a stream) and each event's.
 
 Nothing is asserted; it prints tables and exits 0.
 """
@@ -264,19 +268,54 @@ def _tables(counted: dict[str, tuple[int, float, list]], args: argparse.Namespac
     console.print(top)
 
 
-async def run(args: argparse.Namespace) -> None:
+def _split_table(short: dict[str, tuple[int, float, list]],
+                 long: dict[str, tuple[int, float, list]], args: argparse.Namespace,
+                 events: tuple[int, int]) -> None:
+    """What a stream costs split in two, from its cost at two lengths: each event's (the
+    relay), and the request's own (everything else)."""
+    unit = "instructions" if args.how == "instructions" else "bytecodes"
+    table = Table(title=f"{unit} split: a stream = its request + each event "
+                        f"(from streams of {events[0]} and {events[1]} events)")
+    for column in ("target", f"{unit}\nper request", "/ floor", f"{unit}\nper event",
+                   "/ floor", "request\nin events"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    split = {}
+    for target in ("floor", "llmgw"):
+        per_event = (long[target][1] - short[target][1]) / (events[1] - events[0])
+        split[target] = (short[target][1] - events[0] * per_event, per_event)
+    floor_request, floor_event = split["floor"]
+    for target, (request, event) in split.items():
+        table.add_row(target, f"{request:,.0f}", f"{request / floor_request:.2f}",
+                      f"{event:,.0f}", f"{event / floor_event:.2f}",
+                      f"{request / event:.1f}")
+    console.print(table)
+
+
+async def _counted_at(args: argparse.Namespace, events: int
+                      ) -> dict[str, tuple[int, float, list]]:
+    """A cluster whose engine streams ``events`` events (``args.events``: what a stream
+    answered in full has), counted."""
     out = Path(tempfile.mkdtemp(prefix="llmgw-counts-"))
     cluster = Cluster(out / "cluster")
     cluster.tmp.mkdir()
     try:
-        console.print("starting the cluster, the server and the floor counted ...",
-                      style="dim")
-        await start(cluster, args.events, args.gap_ms, None, not args.no_key,
+        console.print(f"starting the cluster ({events} events a stream), the server and "
+                      "the floor counted ...", style="dim")
+        await start(cluster, events, args.gap_ms, None, not args.no_key,
                     launch=_launcher(args.how, out), key_cache_s=_QUIET_S, ready_s=600.0)
-        _tables(await _count(cluster, args, out), args)
+        return await _count(cluster, args, out)
     finally:
         cluster.stop()
         shutil.rmtree(out, ignore_errors=True)
+
+
+async def run(args: argparse.Namespace) -> None:
+    counted = await _counted_at(args, args.events)
+    _tables(counted, args)
+    if args.split:
+        longer = argparse.Namespace(**{**vars(args), "events": args.split * args.events})
+        _split_table(counted, await _counted_at(longer, longer.events), args,
+                     (args.events, longer.events))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,12 +340,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="SSE events per stream (default %(default)s)")
     parser.add_argument("--gap-ms", type=float, default=10.0,
                         help="ms between two events of a stream (default %(default)s)")
+    parser.add_argument("--split", type=int, default=0, metavar="K",
+                        help="count streams K times longer too (a second cluster), and split "
+                        "a stream's cost into its request's and each event's")
     parser.add_argument("--no-key", action="store_true",
                         help="llmgw with auth.require_api_key false and no key sent")
     parser.add_argument("--top", type=int, default=30,
                         help="functions in the bytecode table (default %(default)s)")
     args = parser.parse_args(argv)
     args.how = args.how or "bytecodes"
+    if args.split and (args.plain or args.split < 2):
+        parser.error("--split needs streams (not --plain) and K of 2 or more")
     if args.how == "instructions" and not (shutil.which("valgrind")
                                            and shutil.which("callgrind_control")):
         parser.error("--instructions needs valgrind and callgrind_control on PATH "
