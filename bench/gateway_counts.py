@@ -289,6 +289,12 @@ def _split_table(short: dict[str, tuple[int, float, list]],
                       f"{event:,.0f}", f"{event / floor_event:.2f}",
                       f"{request / event:.1f}")
     console.print(table)
+    short_of = [f"{target} at {length} events: {counted[target][0]} of {args.requests}"
+                for length, counted in zip(events, (short, long), strict=True)
+                for target in ("floor", "llmgw") if counted[target][0] < args.requests]
+    if short_of:
+        console.print("not every stream was answered in full, so the split is off: "
+                      + "; ".join(short_of), style="yellow")
 
 
 async def _counted_at(args: argparse.Namespace, events: int
