@@ -5,8 +5,10 @@ client where it has a call for it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -17,6 +19,10 @@ from tests.integration.cluster import wait_for
 
 SLOW = {"name": "sim-slow", "replicas": 1, "profiles": [
     {"engine": "sim", "args": ["--tokens-per-second", "20"]}]}
+# An engine whose first token comes 10 s after the request. (The sim has no prefill to
+# slow down: its pace is its only delay.) Its stream's head and role chunk come at once.
+HESITANT = {"name": "sim-hesitant", "replicas": 1, "profiles": [
+    {"engine": "sim", "args": ["--tokens-per-second", "0.1"]}]}
 
 
 @pytest.fixture
@@ -26,6 +32,17 @@ def cluster(make_cluster):
     c.start_server()
     c.add_agent("node-a")
     c.wait_ready("sim-slow")
+    return c
+
+
+@pytest.fixture
+def hesitant_cluster(make_cluster):
+    # The gateway's default limits: none of them ends a stream the client still holds,
+    # which would free the engine whether or not llmgw saw the client leave.
+    c = make_cluster(models=[HESITANT])
+    c.start_server()
+    c.add_agent("node-a")
+    c.wait_ready("sim-hesitant")
     return c
 
 
@@ -45,7 +62,8 @@ def _engine_in_flight(port: int) -> int:
 
 
 def _gateway_in_flight(c) -> int:
-    return sum(r["in_flight"] for r in c.replicas("sim-slow"))
+    """llmgw's own count of requests in flight, over the cluster's replicas (one model)."""
+    return sum(r["in_flight"] for r in c.status()["replicas"])
 
 
 def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
@@ -112,13 +130,51 @@ def test_a_client_leaving_mid_stream_frees_the_engine_within_a_second(cluster):
 
 def test_a_client_leaving_before_the_first_token_frees_the_engine(cluster):
     _, port = _engine(cluster)
-    # 200 tokens at 20/s: the answer would take 10 s; the client gives up after 0.5 s.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster.base_url}/v1/chat/completions", timeout=0.5,
-                   headers={"authorization": f"Bearer {cluster.api_key}"},
-                   json={"model": "sim-slow", "max_tokens": 200,
-                         "messages": [{"role": "user", "content": "talk"}]})
+    body = json.dumps({"model": "sim-slow", "max_tokens": 200,
+                       "messages": [{"role": "user", "content": "talk"}]}).encode()
+    # 200 tokens at 20/s: the answer would take 10 s. A raw socket, so that the client
+    # leaves exactly when the test says: once the engine has the request, not before.
+    with socket.create_connection(("127.0.0.1", cluster.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"authorization: Bearer " + cluster.api_key.encode() + b"\r\n"
+                     b"content-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: _engine_in_flight(port) == 1, 5, "the engine to take the request")
     wait_for(lambda: _engine_in_flight(port) == 0, 1.0, "the engine's request to end")
+    wait_for(lambda: _gateway_in_flight(cluster) == 0, 1.0, "the gateway's count to drop")
+
+
+def _leave_a_stream_before_its_first_token(c, port: int) -> None:
+    """Ask the hesitant engine for a stream, hold it until the engine and llmgw both
+    count it, then close it having read nothing of its body."""
+    asked = time.monotonic()
+    stream = _client(c).chat.completions.create(
+        model="sim-hesitant", stream=True, max_tokens=200,
+        messages=[{"role": "user", "content": "talk"}])
+    try:
+        wait_for(lambda: _engine_in_flight(port) == 1, 5, "the engine to take the request")
+        wait_for(lambda: _gateway_in_flight(c) == 1, 5, "llmgw to count the request")
+    finally:
+        stream.close()
+    # Its first token was still to come: the client left before it.
+    assert time.monotonic() - asked < 10
+
+
+def test_a_client_leaving_a_stream_before_its_first_token_frees_the_engine_within_a_second(
+        hesitant_cluster):
+    c = hesitant_cluster
+    _, port = _engine(c)
+    # First with a key the server has not read yet (the request's task path) ...
+    _leave_a_stream_before_its_first_token(c, port)
+    wait_for(lambda: _engine_in_flight(port) == 0, 1.0, "the engine's request to end")
+    wait_for(lambda: _gateway_in_flight(c) == 0, 1.0, "the gateway's count to drop")
+
+    # ... then with the key read lately and an idle connection to the engine (an
+    # embedding leaves one): the request is one for the server's callback path.
+    assert _client(c).embeddings.create(model="sim-hesitant", input="warm").data
+    _leave_a_stream_before_its_first_token(c, port)
+    wait_for(lambda: _engine_in_flight(port) == 0, 1.0, "the engine's request to end")
+    wait_for(lambda: _gateway_in_flight(c) == 0, 1.0, "the gateway's count to drop")
 
 
 def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
