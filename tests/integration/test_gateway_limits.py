@@ -101,6 +101,8 @@ def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_c
     refused = _chat(c, key)
     assert refused.status_code == 429, refused.text
     assert "limit of 5 tokens per day (UTC) is used up" in refused.json()["error"]["message"]
+    # Come back when the day (UTC) turns: within a day, never at once.
+    assert 0 < int(refused.headers["retry-after"]) <= 86400
 
 
 @pytest.fixture

@@ -54,6 +54,8 @@ def test_a_full_replica_queues_then_refuses_with_429(cluster):
         client.chat.completions.create(model="sim-one", max_tokens=1,
                                        messages=[{"role": "user", "content": "x"}])
     assert full.value.body["code"] == "queue_full" and time.monotonic() - started < 0.5
+    # Told when to come back, as the waiter that timed out is (below).
+    assert int(full.value.response.headers["retry-after"]) >= 1
     t.join(10)
     code, waited, retry_after = outcome["waiter"]
     assert code == "queue_timeout" and 0.9 < waited < 3 and retry_after
