@@ -298,6 +298,52 @@ def test_the_usage_counts_on_the_last_lines_only(eol: bytes) -> None:
         assert found == (Usage(2, 1) if 1 + after < TAIL_LINES else None), after
 
 
+def _usage_anywhere_in_the_last_lines(data: bytes) -> Usage | None:
+    """What `StreamUsage.end` finds in an uncut tail, by its rule, looking at every
+    ``"usage"`` in it from the newest: the first whose line is among the last TAIL_LINES
+    (fewer than TAIL_LINES LFs, and CRs, from its line's end) and is a ``data:`` line that
+    holds a usage."""
+    at = data.rfind(b'"usage"')
+    while at >= 0:
+        ends = [i for i in (data.find(b"\n", at), data.find(b"\r", at)) if i >= 0]
+        end = min(ends) if ends else len(data)
+        if max(data.count(b"\n", end), data.count(b"\r", end)) >= TAIL_LINES:
+            return None
+        start = max(data.rfind(b"\n", 0, at), data.rfind(b"\r", 0, at)) + 1
+        line = data[start:end]
+        if line.startswith(b"data:"):
+            found = usage_from_body(line[5:])
+            if found is not None:
+                return found
+        at = data.rfind(b'"usage"', 0, start)
+    return None
+
+
+def test_the_usage_is_found_as_if_every_line_were_looked_at() -> None:
+    # Over streams of every line ending, with usage lines, blank lines and lines that name
+    # "usage" without holding one, at any distance from the end, `end` finds what the rule
+    # says, however it looks for it.
+    rng = random.Random(8)
+    lines = [b'data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":1}}',
+             b'data: {"usage": null, "choices": []}', b"data: [DONE]", b"",
+             b"event: message", b'data: {"choices":[{"delta":{"content":"usage"}}]}',
+             b'{"usage":{"prompt_tokens":9,"completion_tokens":9}}']
+    found_some = found_none = 0
+    for n in range(3000):
+        picked = [rng.choice(lines) for _ in range(rng.randrange(1, 40))]
+        stream = b"".join(
+            (line % n if b"%d" in line else line) + rng.choice([b"\n", b"\r\n", b"\r"])
+            for line in picked)
+        stream = stream[:len(stream) - rng.randrange(3)]  # a last line may lack its end
+        reader = StreamUsage()
+        reader.feed([stream])
+        expected = _usage_anywhere_in_the_last_lines(stream)
+        assert reader.end() == expected, stream
+        found_some += expected is not None
+        found_none += expected is None
+    assert found_some > 500 and found_none > 500  # both outcomes were put to the test
+
+
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"])
 def test_a_long_stream_with_any_line_ending_finds_its_usage(eol: bytes) -> None:
     reader = StreamUsage()
