@@ -3,6 +3,8 @@ not, against one real cluster with the sim engine."""
 
 from __future__ import annotations
 
+import hashlib
+
 import openai
 import pytest
 
@@ -35,6 +37,11 @@ def _async(c) -> openai.AsyncOpenAI:
 
 
 MESSAGES = [{"role": "user", "content": "say something"}]
+# Endpoints llmgw has no route of its own for, reached by the model their body names.
+RERANK = {"model": MODEL, "query": "red fox",
+          "documents": ["a blue whale", "the red fox jumps", "red paint"]}
+AUDIO = b"RIFF" + bytes(range(256)) * 64
+HEARD = f"{len(AUDIO)} bytes of a.wav, sha256 {hashlib.sha256(AUDIO).hexdigest()[:12]}"
 
 
 def test_sync_client_every_endpoint(cluster):
@@ -58,6 +65,11 @@ def test_sync_client_every_endpoint(cluster):
     vectors = client.embeddings.create(model=MODEL, input=["a", "b"])
     assert [d.index for d in vectors.data] == [0, 1] and len(vectors.data[0].embedding) > 0
 
+    ranked = client.post("/rerank", cast_to=object, body=RERANK)
+    assert [r["index"] for r in ranked["results"]] == [1, 2, 0]
+    heard = client.audio.transcriptions.create(model=MODEL, file=("a.wav", AUDIO, "audio/wav"))
+    assert heard.text == HEARD
+
 
 async def test_async_client_every_endpoint(cluster):
     client = _async(cluster)
@@ -78,4 +90,10 @@ async def test_async_client_every_endpoint(cluster):
 
     vectors = await client.embeddings.create(model=MODEL, input="one")
     assert len(vectors.data) == 1
+
+    ranked = await client.post("/rerank", cast_to=object, body=RERANK)
+    assert [r["index"] for r in ranked["results"]] == [1, 2, 0]
+    heard = await client.audio.transcriptions.create(model=MODEL,
+                                                     file=("a.wav", AUDIO, "audio/wav"))
+    assert heard.text == HEARD
     await client.close()
