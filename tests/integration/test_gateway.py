@@ -13,6 +13,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.integration.cluster import wait_for
@@ -64,6 +65,13 @@ def _engine_in_flight(port: int) -> int:
 def _gateway_in_flight(c) -> int:
     """llmgw's own count of requests in flight, over the cluster's replicas (one model)."""
     return sum(r["in_flight"] for r in c.status()["replicas"])
+
+
+def _gateway_connections_to(c, port: int) -> list:
+    """The server process's open TCP connections to ``port`` on loopback."""
+    return [conn for conn in psutil.Process(c.server.pid).net_connections(kind="tcp")
+            if conn.raddr and conn.raddr.port == port
+            and conn.status == psutil.CONN_ESTABLISHED]
 
 
 def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
@@ -185,6 +193,7 @@ def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
         messages=[{"role": "user", "content": "talk"}])
     first = next(iter(stream))
     assert first.choices[0].delta is not None
+    assert _gateway_connections_to(cluster, port)  # the stream's, seen where it is
     os.kill(pid, signal.SIGSTOP)  # the engine holds its socket open and says nothing
     try:
         began = time.monotonic()
@@ -195,6 +204,9 @@ def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
         assert "sent nothing for 1.5 s" in str(broke.value)
         assert waited < 5, waited
         wait_for(lambda: _gateway_in_flight(cluster) == 0, 2, "the gateway's count to drop")
+        # And its socket to the frozen engine is closed, not kept or put back in the pool.
+        wait_for(lambda: not _gateway_connections_to(cluster, port), 2,
+                 "the gateway to close its connection to the frozen engine")
 
         # A non-streamed request to the frozen engine: 504 after the first-byte limit.
         began = time.monotonic()
@@ -205,6 +217,8 @@ def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
         assert "sent nothing for 3 s" in timed_out.value.message
         assert 2.5 < time.monotonic() - began < 8
         wait_for(lambda: _gateway_in_flight(cluster) == 0, 2, "the gateway's count to drop")
+        wait_for(lambda: not _gateway_connections_to(cluster, port), 2,
+                 "the gateway to close its connection to the frozen engine")
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: _engine_in_flight(port) == 0, 5, "the thawed engine to be idle")
