@@ -124,8 +124,11 @@ def _print(args: argparse.Namespace, value, columns: list[str] | None = None,
         print(json.dumps(value, indent=2))
         return
     table = Table(title=title, title_justify="left")
-    for column in columns:
-        table.add_column(column)
+    for n, column in enumerate(columns):
+        # The first column names the row (a key's prefix, a node, a model) for the next
+        # command: whole on one line. Nothing is cut short with "…": a narrow terminal
+        # folds a value onto more lines.
+        table.add_column(column, no_wrap=n == 0, overflow="fold")
     for row in value:
         table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
     Console(highlight=False).print(table)

@@ -186,7 +186,7 @@ def test_a_server_yaml_model_is_not_removed_but_can_be_scaled(cluster):
     assert no_count.code == 2 and "--reset" in no_count.err
 
 
-def test_keys_commands(cluster):
+def test_keys_commands(cluster, monkeypatch):
     made = ctl(cluster, "keys", "create", "ci", "--model", "sim-small", "--rpm", "100",
                "--json").json()
     prefix, key = made["prefix"], made["key"]
@@ -194,8 +194,12 @@ def test_keys_commands(cluster):
     assert real[prefix]["models"] == ["sim-small"] and real[prefix]["limits"]["rpm"] == 100
     listed = {k["prefix"]: k for k in ctl(cluster, "keys", "list", "--json").json()}
     assert listed[prefix] == real[prefix]
+    # On a terminal 80 columns wide, the prefix the other key commands take is shown
+    # whole, to be copied, and the rest folded, not cut.
+    monkeypatch.setenv("COLUMNS", "80")
     table = ctl(cluster, "keys", "list")
     assert prefix in table.out and "100 rpm" in table.out
+    assert "…" not in table.out
 
     limits = ctl(cluster, "keys", "limits", prefix, "--tpm", "5000", "--rpm", "none",
                  "--json").json()
