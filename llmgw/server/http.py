@@ -28,11 +28,13 @@ import socket
 import ssl
 import weakref
 from collections.abc import Callable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any, Protocol
 
 import httptools
 import uvicorn
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -67,18 +69,21 @@ def _framed(chunks: list[bytes]) -> bytes:
 
 class CallbackRoutes(Protocol):
     """An app (ASGI, called for everything else) that serves some requests from the
-    connection's callbacks, with no task: the server holds such a request until its body
-    is in (unless it is large), then hands it to ``serve_now``."""
+    connection's callbacks, with no task: a ``POST`` to one of ``callback_paths`` (the
+    request target as sent: no query, no escapes) is held by the server until its body is
+    in (unless it is large), then handed to ``serve_now``. No ASGI scope is made for it
+    unless it goes to the app."""
 
-    def claims(self, scope: dict) -> bool:
-        """Whether ``serve_now`` may serve the request whose head is ``scope``."""
+    callback_paths: frozenset[bytes]
 
-    def serve_now(self, scope: dict, body: bytearray, writer: BodyWriter,
-                  fall_back: Callable[[], None]) -> bool:
+    def serve_now(self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytearray,
+                  writer: BodyWriter, fall_back: Callable[[dict | None], None]) -> bool:
         """Serve the request through ``writer`` (``start``, ``sink``, ``finish``), from
         callbacks; False to have it served as any other, through the ASGI app, now. Once
-        it said True, ``fall_back`` still hands it to the app, as long as nothing of the
-        answer was written. ``body`` is the server's own buffer: read, never changed."""
+        it said True, ``fall_back(extensions)`` still hands it to the app, with
+        ``extensions`` (if any) added to its scope's, as long as nothing of the answer was
+        written. ``headers`` are as in a scope (names in lower case); ``body`` is the
+        server's own buffer: read, never changed."""
 
 
 class BodyWriter:
@@ -416,6 +421,45 @@ class _Held:
         self.transport.close()
 
 
+class _NoEvent:
+    """What a request served from callbacks has for uvicorn's ``message_event``: nobody
+    waits on it."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+class _Light:
+    """A request held for CallbackRoutes.serve_now, in place of uvicorn's
+    RequestResponseCycle: the state of it that BodyWriter and the protocol use, and no
+    ASGI scope, ``asyncio.Event`` or the rest, which are made only if the request goes to
+    the app (BoundedHeadProtocol._to_app)."""
+
+    __slots__ = ("__weakref__", "body", "chunked_encoding", "default_headers",
+                 "disconnected", "expected_content_length", "flow", "headers", "keep_alive",
+                 "more_body", "on_response", "path", "response_complete", "response_started",
+                 "transport", "waiting_for_100_continue", "writer")
+
+    message_event = _NoEvent()
+
+    def __init__(self, protocol: BoundedHeadProtocol, path: bytes, keep_alive: bool):
+        self.path = path
+        self.headers = protocol.headers
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.default_headers = protocol.server_state.default_headers
+        self.keep_alive = keep_alive
+        self.on_response = protocol.on_response_complete
+        self.body = bytearray()
+        self.more_body = True
+        self.disconnected = self.response_started = self.response_complete = False
+        self.waiting_for_100_continue = self.chunked_encoding = False
+        self.expected_content_length = 0
+        self.writer: BodyWriter | None = None
+
+
 class BoundedHeadProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head bounded: over MAX_HEAD_BYTES it is
     refused with 431, and a head not complete within HEAD_TIMEOUT_S of the connection's
@@ -423,22 +467,24 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     could hold memory with endless header lines, or a connection with a head it never
     finishes. And a stop does not reset a connection whose first request is on its way.
 
-    Each request is offered a BodyWriter (above). A request an app that is
-    CallbackRoutes claims is held until its body is in, then offered to its
-    ``serve_now``; it goes to the app's ASGI task only if that declines (or hands it
-    back), if its body is too large to hold (uvicorn pauses reading it), or if its client
-    waits for ``100 Continue``.
+    Each request is offered a BodyWriter (above). A ``POST`` to one of the
+    ``callback_paths`` of an app that is CallbackRoutes is held, as a ``_Light`` in place
+    of uvicorn's request cycle and with no ASGI scope, until its body is in, then offered
+    to the app's ``serve_now``; it goes to the app's ASGI task (``_to_app``) only if that
+    declines (or hands it back), if its body is too large to hold, if its client waits
+    for ``100 Continue``, or if it is pipelined behind a request still answering.
 
-    It overrides parser callbacks (``on_header`` whole; ``on_body`` and
-    ``on_message_complete`` after uvicorn's) and ten methods of uvicorn 0.54's protocol
-    (pinned in pyproject.toml): ``data_received``, ``send_400_response``, which it calls on
-    a parser error, ``shutdown``, ``pause_writing`` and ``resume_writing`` (after
-    uvicorn's), the connection callbacks,
-    ``_start_asgi_task`` (to hold a request for ``serve_now``), and (to time the
-    keep-alive limit with one timer per connection) ``on_response_complete`` and
-    ``_unset_keepalive_if_required``; BodyWriter reads its request cycle's response state
-    and writes as its ``send`` does (``start`` and ``finish`` do what ``send`` does).
-    tests/integration/test_http_server.py fails if an upgrade changes them."""
+    It overrides parser callbacks (``on_message_begin``, which makes no scope, and
+    ``on_header`` whole; ``on_headers_complete``, ``on_body`` and ``on_message_complete``
+    around uvicorn's) and nine methods of uvicorn 0.54's protocol (pinned in
+    pyproject.toml): ``data_received``, ``send_400_response``, which it calls on a parser
+    error, ``shutdown``, ``pause_writing`` and ``resume_writing`` (after uvicorn's), the
+    connection callbacks, and (to time the keep-alive limit with one timer per connection)
+    ``on_response_complete`` and ``_unset_keepalive_if_required``; it makes the scope
+    uvicorn's ``on_message_begin`` would (``_scope``); BodyWriter reads its request
+    cycle's response state and writes as its ``send`` does (``start`` and ``finish`` do
+    what ``send`` does). tests/integration/test_http_server.py fails if an upgrade changes
+    them."""
 
     _head_timer: asyncio.TimerHandle | None = None
     _in_head = False
@@ -452,55 +498,95 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _writer: BodyWriter | None = None  # the latest request's
     # Those of earlier requests still answering (HTTP pipelining), kept to be told of a loss.
     _earlier: tuple[BodyWriter, ...] = ()
-    # A request (its cycle, and the app) whose body comes before the app serves it.
-    _deferred: tuple[RequestResponseCycle, CallbackRoutes] | None = None
+    # The app's CallbackRoutes.callback_paths, if it has any.
+    _callback_paths: frozenset[bytes] = frozenset()
+    # A request held for the app's ``serve_now`` while its body comes.
+    _deferred: _Light | None = None
     # Kept-alive and waiting for a request since this loop time; None while one is served.
     _idle_since: float | None = None
     _keep_alive_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._callback_paths = getattr(self.app, "callback_paths", frozenset())
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # A request the app serves from callbacks (see CallbackRoutes) waits for its body
-        # here instead; but not one whose client waits to be told to send the body.
-        claims = getattr(app, "claims", None)  # CallbackRoutes'
-        if (claims is not None and cycle.more_body and not cycle.waiting_for_100_continue
-                and claims(cycle.scope)):
-            self._deferred = (cycle, app)
-            return
-        super()._start_asgi_task(cycle, app)
+    def _scope(self, headers: list[tuple[bytes, bytes]]) -> dict:
+        """A request's scope as uvicorn's ``on_message_begin`` makes it, less what its
+        ``on_headers_complete`` adds: made only for a request that goes to the app."""
+        return {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": headers,
+            "state": self.app_state.copy(),
+        }
+
+    def _to_app(self, light: _Light, extensions: dict | None = None) -> None:
+        """A request held for ``serve_now`` goes to the app's task, as uvicorn would have
+        sent it (nothing of its answer was written), with ``extensions`` in its scope."""
+        scope = self._scope(light.headers)
+        path = light.path.decode("ascii")  # a callback path: no escapes, no query
+        scope.update(method="POST", path=self.root_path + path,
+                     raw_path=self.root_path.encode("ascii") + light.path, query_string=b"")
+        cycle = RequestResponseCycle(
+            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=self.access_log,
+            default_headers=light.default_headers, message_event=asyncio.Event(),
+            expect_100_continue=False, keep_alive=light.keep_alive,
+            on_response=self.on_response_complete)
+        cycle.body, cycle.more_body = light.body, light.more_body
+        cycle.disconnected = light.disconnected
+        cycle.message_event.set()  # what came of the body is there to be received
+        writer = BodyWriter(self, cycle)
+        scope["extensions"] = {BODY_WRITER: writer, **(extensions or {})}
+        # The light one is done with: the protocol now knows the request by its cycle.
+        light.on_response = _nothing
+        light.response_complete = True
+        if self.cycle is light:
+            self.cycle = cycle
+        if self._writer is light.writer:
+            self._writer = writer
+        else:  # pipelined behind since
+            self._earlier = tuple(writer if w is light.writer else w for w in self._earlier)
+        HttpToolsProtocol._start_asgi_task(self, cycle, self.app)
 
     def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        if self._deferred is not None and self.flow.read_paused:
-            # A body too large to be kept whole before it is served: served as any other.
-            cycle, app = self._deferred
+        light = self._deferred
+        if light is None:
+            super().on_body(body)
+            return
+        light.body += body
+        if len(light.body) > HIGH_WATER_LIMIT:
+            # Too large to be kept whole before it is served: served as any other, its
+            # body read as the app's task takes it (uvicorn's on_body, from here).
             self._deferred = None
-            super()._start_asgi_task(cycle, app)
+            self.flow.pause_reading()
+            self._to_app(light)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
-        deferred = self._deferred
-        if deferred is None:
+        light = self._deferred
+        if light is None:
+            super().on_message_complete()
             return
         self._deferred = None
-        cycle, app = deferred
-        start = functools.partial(HttpToolsProtocol._start_asgi_task, self, cycle, app)
+        light.more_body = False
         try:
-            # The body as uvicorn keeps it (a bytearray): ``receive`` copies it only for
-            # a request the app's task serves.
-            taken = app.serve_now(cycle.scope, cycle.body,
-                                  cycle.scope["extensions"][BODY_WRITER], start)
+            # The body as it was received (a bytearray): copied only for a request the
+            # app's task serves.
+            taken = self.app.serve_now(light.path, light.headers, light.body, light.writer,
+                                       functools.partial(self._to_app, light))
         except Exception:
             # Where it failed is not known: the client is not answered twice.
-            log.exception("unexpected error serving %s %s", cycle.scope["method"],
-                          cycle.scope["path"])
+            log.exception("unexpected error serving POST %s", light.path.decode("ascii"))
             self.transport.close()
             return
         if not taken:
-            start()
+            self._to_app(light)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deferred = None
@@ -529,47 +615,76 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._in_head and self._head_timer is None and not self.transport.is_closing():
-            # A head that did not come whole: from here it has HEAD_TIMEOUT_S to finish. (A
-            # head that comes in one packet, as most do, never pays for a timer.)
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+        if self._in_head and not self.transport.is_closing():
+            # A head that did not come whole. Bounded by what came of it: every byte of
+            # the read, since the head began in it or before (a request pipelined before it
+            # in the same read counts too: never less than the head).
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.transport.write(_head_too_large())
+                self.transport.close()
+                return
+            if self._head_timer is None:
+                # From here it has HEAD_TIMEOUT_S to finish. (A head that comes in one
+                # packet, as most do, never pays for a timer.)
+                self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S,
+                                                        self._head_timed_out)
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, but for the scope, made once the request is known to need one.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._head_bytes = 0
         self._in_head = True
 
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
     def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, with the count: one call per header line, not three (a request has
-        # ten or so).
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large()
-        name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+        # uvicorn's, less the ``expect`` it looks for in every line (see
+        # on_headers_complete): this runs for each of a request's ten or so lines.
+        self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        headers = self.headers
+        # The head's size as its lines' parts, "name: value\r\n" each, counted in C once
+        # it is whole; a head still coming is bounded as it comes (data_received).
+        if (len(self.url) + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
+                > MAX_HEAD_BYTES):
+            self._head_refused = _head_too_large()
+            # Stops the parser; data_received answers through send_400_response below.
+            raise httptools.HttpParserCallbackError("request head too large")
+        if dict(headers).get(b"expect", b"").lower() == b"100-continue":
+            self.expect_100_continue = True
         self._stop_head_timer()
         self._requests += 1
+        url, parser, cycle = self.url, self.parser, self.cycle
+        if (url in self._callback_paths and parser.get_method() == b"POST"
+                and not self.expect_100_continue and parser.get_http_version() == "1.1"
+                and not parser.should_upgrade()
+                and (cycle is None or cycle.response_complete)):
+            # Held for the app's serve_now (CallbackRoutes) until its body is in.
+            light = self._deferred = _Light(self, url, parser.should_keep_alive()
+                                            and not self._last_request)
+            self.cycle = light
+            light.writer = self._new_writer(light)
+            return
+        self.scope = self._scope(self.headers)
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is None or cycle.scope is not self.scope:
             return  # a WebSocket upgrade: no cycle was made for it
         if self._last_request:
             cycle.keep_alive = False
+        # Read by the app once its task runs, which is after this callback.
+        cycle.scope["extensions"] = {BODY_WRITER: self._new_writer(cycle)}
+
+    def _new_writer(self, cycle: RequestResponseCycle | _Light) -> BodyWriter:
+        """The request's BodyWriter, as the connection's latest."""
         if self._writer is not None and not self._writer.complete:
             # Pipelined behind a request still answering, which must hear of a loss too.
             self._earlier = (*self._earlier, self._writer)
-        # Read by the app once its task runs, which is after this callback.
-        self._writer = BodyWriter(self, cycle)
-        cycle.scope.setdefault("extensions", {})[BODY_WRITER] = self._writer
+        self._writer = writer = BodyWriter(self, cycle)
+        return writer
 
     def on_response_complete(self) -> None:
         # uvicorn's, but for how the keep-alive limit is timed. uvicorn makes a timer after
@@ -621,19 +736,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large()
-
-    def _head_too_large(self) -> None:
-        self._head_refused = _refusal(
-            b"431 Request Header Fields Too Large",
-            f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
-            "send fewer or shorter headers")
-        # Stops the parser; data_received answers through send_400_response below.
-        raise httptools.HttpParserCallbackError("request head too large")
-
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if not self.transport.is_closing():
@@ -647,6 +749,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return super().send_400_response(msg)
         self.transport.write(self._head_refused)
         self.transport.close()
+
+
+def _head_too_large() -> bytes:
+    return _refusal(b"431 Request Header Fields Too Large",
+                    f"the request line and headers are over {MAX_HEAD_BYTES // 1024} KiB; "
+                    "send fewer or shorter headers")
 
 
 def _refusal(status: bytes, reason: str) -> bytes:

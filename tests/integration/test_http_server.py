@@ -9,6 +9,7 @@ written through the BodyWriter to a client slower than the app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import uvicorn.server
+import yarl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llmgw import pki
@@ -208,6 +210,30 @@ async def test_a_head_over_the_limit_is_refused_with_431_and_a_reason():
             _raw, running.port,
             b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + padding + b"\r\n")
         assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def _unfinished_head(port: int) -> bytes:
+    """A head that never ends, sent a header line at a time while the server reads: what
+    the server answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        with contextlib.suppress(ConnectionError):  # refused before the last lines
+            for i in range(MAX_HEAD_BYTES // 1000 + 8):
+                conn.sendall(b"x-pad-%d: %s\r\n" % (i, b"a" * 1000))
+        answer = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := conn.recv(65536):
+                answer += chunk
+        return answer
+
+
+async def test_a_head_that_keeps_coming_is_refused_once_over_the_limit():
+    # Not left to the head's timeout (30 s; the socket gives up after 5): the lines
+    # already taken are what is bounded.
+    async with _Running() as running:
+        answer = await asyncio.to_thread(_unfinished_head, running.port)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"send fewer or shorter headers" in answer
 
 
 async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body():
@@ -707,25 +733,44 @@ async def test_a_kept_alive_connection_is_closed_after_the_keep_alive_limit_of_s
 class _NowOrAsgi:
     """An app that serves POST /now/* from the connection's callbacks (CallbackRoutes):
     /now/stream as a chunked answer of the body's words, /now/whole as one answer with a
-    length, /now/back handed to the ASGI app after a moment (as the gateway hands back a
-    request an engine refused); anything else through ASGI (``_echo``)."""
+    length, /now/back handed to the ASGI app after a moment with an extension (as the
+    gateway hands back a request an engine refused); anything else through ASGI: /now/*
+    answered with what its scope and body were, the rest by ``_echo``."""
+
+    callback_paths = frozenset({b"/now/stream", b"/now/whole", b"/now/back", b"/now/other"})
 
     def __init__(self, running: _Running):
         self.running = running
         self.now: list[str] = []  # paths serve_now served
 
     async def __call__(self, scope, receive, send) -> None:
-        await _echo(scope, receive, send, self.running)
+        if scope["type"] != "http" or not scope["path"].startswith("/now/"):
+            return await _echo(scope, receive, send, self.running)
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if body == b"raise":
+            raise RuntimeError("an app's bug")
+        seen = {key: scope[key] for key in ("method", "path", "scheme")}
+        seen.update(raw_path=scope["raw_path"].decode(), body=len(body),
+                    query_string=scope["query_string"].decode(),
+                    back=scope["extensions"].get("test.back"),
+                    headers={k.decode(): v.decode() for k, v in scope["headers"]},
+                    writer=scope["extensions"][BODY_WRITER] is not None)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(seen).encode()})
 
-    def claims(self, scope) -> bool:
-        return scope["method"] == "POST" and scope["path"].startswith("/now/")
-
-    def serve_now(self, scope, body, writer, fall_back) -> bool:
-        path = scope["path"]
+    def serve_now(self, path, headers, body, writer, fall_back) -> bool:
+        path = path.decode()
         loop = asyncio.get_running_loop()
+        assert dict(headers)[b"x-test"] == b"Held"  # names in lower case, values as sent
         if path == "/now/back":
             self.now.append(path)
-            loop.call_later(0.05, fall_back)
+            loop.call_later(0.05, fall_back, {"test.back": "refused"})
             return True
         if path == "/now/stream":
             self.now.append(path)
@@ -756,7 +801,8 @@ async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_the
     running = _Running()
     app = _NowOrAsgi(running)
     running.server = make_server(app, running.sock)
-    async with running, aiohttp.ClientSession() as http:
+    async with running, aiohttp.ClientSession(
+            headers={"X-Test": "Held"}, timeout=aiohttp.ClientTimeout(total=10)) as http:
         base = f"http://127.0.0.1:{running.port}"
         for _ in range(2):  # on one kept-alive connection, one after the other
             async with http.post(base + "/now/stream", data=b"one two three") as resp:
@@ -765,13 +811,29 @@ async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_the
             async with http.post(base + "/now/whole", data=b"all of it") as resp:
                 assert (resp.status, await resp.read()) == (201, b"all of it")
                 assert resp.headers["content-length"] == "9"
-        # Said no, or handed back later, or too large to hold: through the ASGI app.
-        for path, data in (("/now/other", b"x"), ("/now/back", b"x"),
-                           ("/now/whole", b"y" * (2**16 + 1))):
+        # Said no, or handed back later, or too large to hold: through the ASGI app, with
+        # the scope uvicorn would have made, the body whole, and what was handed back.
+        for path, data, back in (("/now/other", b"x", None), ("/now/back", b"xy", "refused"),
+                                 ("/now/whole", b"y" * (2**16 + 1), None)):
             async with http.post(base + path, data=data) as resp:
-                assert resp.status == 200 and (await resp.json())["scheme"] == "http"
-        assert app.now == ["/now/stream", "/now/whole"] * 2 + ["/now/back"]
-        assert running.server.server_state.total_requests == 7
+                assert resp.status == 200
+                seen = await resp.json()
+            assert seen.pop("headers")["x-test"] == "Held"
+            assert seen == {"method": "POST", "path": path, "raw_path": path,
+                            "query_string": "", "scheme": "http", "body": len(data),
+                            "back": back, "writer": True}
+        # Not a callback path as sent (a query, an escape): through the app, unheld.
+        for target, path in (("/now/whole?x=1", "/now/whole"), ("/now/%77hole", "/now/whole")):
+            async with http.post(yarl.URL(base + target, encoded=True), data=b"z") as resp:
+                seen = await resp.json()
+            assert (seen["path"], seen["body"]) == (path, 1)
+        # The app's failure after all: uvicorn's 500, and the connection serves on.
+        async with http.post(base + "/now/other", data=b"raise") as resp:
+            assert resp.status == 500
+        async with http.post(base + "/now/whole", data=b"again") as resp:
+            assert (resp.status, await resp.read()) == (201, b"again")
+        assert app.now == ["/now/stream", "/now/whole"] * 2 + ["/now/back", "/now/whole"]
+        assert running.server.server_state.total_requests == 11
 
 
 async def test_a_relayed_response_over_leaves_no_callback_for_the_next_on_its_connection():

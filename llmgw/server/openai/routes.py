@@ -231,8 +231,9 @@ REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt
 # Where a request handed back by ``serve_now`` carries the replica that refused it and why,
 # for the task path's retries (a scope extension).
 _REFUSED = "llmgw.refused"
-# The endpoints whose requests ``serve_now`` serves.
-_SERVED_NOW = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# The endpoints whose requests ``serve_now`` serves, as the server finds them in a request
+# line: each with its path and the field its body must have.
+_SERVED_NOW = {path.encode(): (path, field) for path, field in REQUIRED_FIELD.items()}
 
 
 def gateway_first(app: ASGIApp, state: GatewayContext) -> GatewayFront:
@@ -274,21 +275,21 @@ class GatewayFront:
                 return await _gateway(self.state, scope, receive, send, path, required)
         await self.app(scope, receive, send)
 
-    def claims(self, scope: Scope) -> bool:
-        return scope["method"] == "POST" and scope["path"] in _SERVED_NOW
+    callback_paths = frozenset(_SERVED_NOW)
 
-    def serve_now(self, scope: Scope, body: bytearray, writer: BodyWriter,
-                  fall_back: Callable[[], None]) -> bool:
+    def serve_now(self, target: bytes, raw_headers: list[tuple[bytes, bytes]],
+                  body: bytearray, writer: BodyWriter,
+                  fall_back: Callable[[dict | None], None]) -> bool:
         state = self.state
         pool = state.upstream
         if pool is None or writer.disconnected:
             return False
-        path = scope["path"]
+        path, required = _SERVED_NOW[target]
         try:
-            head = _parse(body, REQUIRED_FIELD[path])
+            head = _parse(body, required)
         except ApiError:
             return False  # the task path answers it
-        headers = dict(scope["headers"])
+        headers = dict(raw_headers)
         if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
             return False
         record = None
@@ -325,10 +326,11 @@ class GatewayFront:
                                  time.perf_counter() - seen.began)
 
         def hand_back(refusal: str | None) -> None:
-            if refusal is not None:
+            if refusal is None:
+                fall_back(None)
+            else:
                 metrics.retry(model)
-                scope.setdefault("extensions", {})[_REFUSED] = (lease.replica, refusal)
-            fall_back()
+                fall_back({_REFUSED: (lease.replica, refusal)})
 
         self.served_now += 1
         Exchange(answer, lease, gateway, writer, seen,
