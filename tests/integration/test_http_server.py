@@ -760,9 +760,11 @@ class _NowOrAsgi:
                     back=scope["extensions"].get("test.back"),
                     headers={k.decode(): v.decode() for k, v in scope["headers"]},
                     writer=scope["extensions"][BODY_WRITER] is not None)
+        answer = json.dumps(seen).encode()
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": json.dumps(seen).encode()})
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
 
     def serve_now(self, path, headers, body, writer, fall_back) -> bool:
         path = path.decode()
@@ -834,6 +836,48 @@ async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_the
             assert (resp.status, await resp.read()) == (201, b"again")
         assert app.now == ["/now/stream", "/now/whole"] * 2 + ["/now/back", "/now/whole"]
         assert running.server.server_state.total_requests == 11
+
+
+def _pipelined(port: int, requests: list[bytes], answers: int) -> list[bytes]:
+    """``requests`` sent in one write on one connection: its first ``answers`` answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"".join(requests))
+        data = b""
+        got: list[bytes] = []
+        while len(got) < answers:
+            head, sep, rest = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if sep and length is not None and len(rest) >= length:
+                got.append(head + sep + rest[:length])
+                data = rest[length:]
+                continue
+            chunk = conn.recv(65536)
+            assert chunk, f"closed after {len(got)} answers"
+            data += chunk
+        return got
+
+
+async def test_a_request_pipelined_behind_one_handed_back_is_answered_after_it():
+    # The first is held for serve_now and handed to the app 50 ms later; the second came
+    # meanwhile, and waits for the first's answer, however the first was served.
+    running = _Running()
+    app = _NowOrAsgi(running)
+    running.server = make_server(app, running.sock)
+
+    def post(path: bytes, body: bytes) -> bytes:
+        return (b"POST %s HTTP/1.1\r\nhost: x\r\nx-test: Held\r\ncontent-length: %d\r\n\r\n%s"
+                % (path, len(body), body))
+
+    async with running:
+        answers = await asyncio.to_thread(
+            _pipelined, running.port,
+            [post(b"/now/back", b"first"), post(b"/now/whole", b"second")], 2)
+    first, second = (json.loads(a.partition(b"\r\n\r\n")[2]) for a in answers)
+    assert (first["path"], first["body"], first["back"]) == ("/now/back", 5, "refused")
+    assert (second["path"], second["body"], second["back"]) == ("/now/whole", 6, None)
+    assert app.now == ["/now/back"]  # the second, pipelined, went to the app
+    assert running.server.server_state.total_requests == 2
 
 
 async def test_a_relayed_response_over_leaves_no_callback_for_the_next_on_its_connection():
