@@ -241,16 +241,26 @@ async def test_usage_in_the_read_that_ends_a_stream_is_counted_for_the_key(tmp_p
         await stack.aclose()
 
 
-async def test_a_whole_answer_from_callbacks_is_the_task_paths_and_is_charged(tmp_path):
+@pytest.mark.parametrize("apart", [False, True], ids=["with its head", "after its head"])
+async def test_a_whole_answer_from_callbacks_is_the_task_paths_and_is_charged(tmp_path, apart):
     # A request not streamed, for a chat and for an embedding, answered from callbacks:
     # the engine's JSON and its type, with its length, and the key charged its usage;
-    # byte for byte what the task path gives the same request.
+    # byte for byte what the task path gives the same request. The body comes in the
+    # head's write (written at once), or in a write of its own after a pause (kept until
+    # it is all in); the same either way.
     answer = (b'{"object":"chat.completion","choices":[{"message":{"content":"hi"}}],'
               b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}')
 
     async def whole_json(reader, writer) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%b" % (len(answer), answer))
+        head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(answer))
+        if apart:
+            writer.write(head + answer[:10])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(answer[10:])
+        else:
+            writer.write(head + answer)
 
     store = await open_store(sqlite_url(tmp_path / "llmgw.db"))
     key, record = await create_api_key(store, "ci")

@@ -91,6 +91,11 @@ class Exchange:
                     if answer.error is not None:
                         self._no_head()
                     return
+                if (answer.done and not self._stream and answer.error is None
+                        and answer.status != 503):
+                    # Whole with its head, as most whole answers come: at once.
+                    self._whole(answer.take())
+                    return
                 if not self._head():
                     return
             if answer.done or answer.error is not None:
@@ -148,7 +153,7 @@ class Exchange:
     def _end(self) -> None:
         """The answer is complete, or broke off after its head. The read that ended it is
         still pending (``Answer.take``): written here with the end, in one write."""
-        answer, writer, progress = self._answer, self._writer, self._progress
+        answer, writer = self._answer, self._writer
         err = answer.error
         last = answer.take() if answer.pending else b""
         if self._relaying:
@@ -171,11 +176,16 @@ class Exchange:
         elif err is not None:
             self._end_with(broken_answer(err, self._lease.replica, self._gateway))
         else:
-            self._over = True
-            writer.on_disconnect(None)
-            write_whole(writer, answer.status, answer.headers,
-                        b"".join(self._kept) + last, progress, self._usage)
-            self._finish()
+            self._whole(b"".join(self._kept) + last)
+
+    def _whole(self, content: bytes) -> None:
+        """The whole answer came: ``content`` is its body."""
+        self._over = True
+        self._writer.on_disconnect(None)
+        answer = self._answer
+        write_whole(self._writer, answer.status, answer.headers, content, self._progress,
+                    self._usage)
+        self._finish()
 
     def _end_relay(self, event: bytes) -> None:
         """End a relayed stream that broke off, or was stopped, with ``event``, if it
