@@ -100,7 +100,7 @@ class BodyWriter:
     ``end_relayed``), which keep uvicorn's account of the response as ``send`` does
     (keep-alive, the next pipelined request)."""
 
-    __slots__ = ("_callbacks", "_cycle", "_flow", "_held", "_on_gone", "_protocol",
+    __slots__ = ("_callbacks", "_cycle", "_flow", "_held", "_last", "_on_gone", "_protocol",
                  "_streaming", "_transport")
 
     def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
@@ -120,6 +120,13 @@ class BodyWriter:
         # The connection's callbacks it set (``when_writable``, ``relay``): taken back
         # when the response is over, if still there.
         self._callbacks: tuple[Callable[[], None], ...] = ()
+        self._last = b""  # the body's last part written by ``write`` or a sink
+
+    @property
+    def last_part(self) -> bytes:
+        """The last part of a chunked body that ``write`` or a ``sink`` wrote (``b""``
+        before any): where the body stopped, for a caller that would add to it."""
+        return self._last
 
     @property
     def disconnected(self) -> bool:
@@ -227,13 +234,16 @@ class BodyWriter:
             self._complete(cycle)
 
     def cut(self) -> None:
-        """End a relayed body that stopped inside a chunk, which no chunk of ours may
-        follow: the connection is closed once what was written has gone, and the client
-        sees the body end before its last chunk, as a broken response."""
+        """End a chunked body that stopped where nothing of ours may follow (inside a
+        relayed chunk, inside an event of a stream): the connection is closed once what
+        was written has gone, and the client sees the body end before its last chunk, as
+        a broken response. Nothing more is written; for uvicorn, as if the client left
+        (an app's task that returns after this is not an error)."""
         self._take_back_callbacks()
         cycle = self._cycle()
         if cycle is not None and not cycle.response_complete:
             cycle.keep_alive = False
+            cycle.disconnected = True
             self._transport.close()
 
     def _complete(self, cycle: RequestResponseCycle) -> None:
@@ -257,6 +267,7 @@ class BodyWriter:
         """Write ``chunk`` (not empty) as one chunk of the body. False when the client takes
         no more for now: its connection's buffer is full (``when_writable`` says when it
         drains) or it is gone (the app learns that from ``receive``)."""
+        self._last = chunk
         return self._write_framed(_CHUNK % (len(chunk), chunk))
 
     def _write_framed(self, data: bytes) -> bool:
@@ -311,6 +322,7 @@ class BodyWriter:
         def sink(chunks: list[bytes]) -> bool:
             nonlocal budget, first
             keep(chunks)
+            self._last = chunks[-1]
             if len(chunks) == 1:  # _framed's common case, without its call
                 chunk = chunks[0]
                 data = _CHUNK % (size := len(chunk), chunk)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from unittest import mock
@@ -658,5 +659,59 @@ async def test_a_bug_while_a_stream_is_relayed_ends_it_with_an_internal_error(mo
         assert body.startswith(EVENT), body
         assert json.loads(body[len(EVENT) + 6:])["error"]["code"] == "internal_error"
         await _until_free(front)
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("where", ["between events", "inside an event"])
+@pytest.mark.parametrize("ends", ["silent", "gone"])
+async def test_a_piped_stream_that_breaks_off_is_ended_only_between_events(where, ends,
+                                                                          caplog):
+    # A stream the engine frames by its length, not in chunks, is piped (parsed, and
+    # framed again), on the task path and from callbacks alike. Broken off between two
+    # events, it ends with llmgw's error event; inside one, an event of llmgw's would be
+    # read as part of it (garbled JSON to the client), so the client's connection is
+    # closed with the body unended instead, as a relayed stream's is.
+    sent = EVENT + (b"" if where == "between events" else b'data: {"choi')
+
+    async def lengthed_then_broken(reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"content-length: 4096\r\n\r\n" + sent)
+        if ends == "silent":
+            await reader.read()  # until the gateway goes
+        return False
+
+    # The first request takes the task path (no connection is open yet) and drops its
+    # connection; the second opens one again; the third is served from callbacks.
+    script = Script(lengthed_then_broken, whole_stream, lengthed_then_broken)
+    stack = contextlib.AsyncExitStack()
+    running = await stack.enter_async_context(gateway_front_in_process(
+        MODEL, engine_answering(script), Gateway(first_byte_timeout_s=2.0,
+                                                 idle_timeout_s=0.3)))
+    try:
+        answers = []
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(_raw_post(BODY).replace(b"host: x\r\n",
+                                                 b"host: x\r\nconnection: close\r\n"))
+            answer = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+            writer.close()
+            answers.append(answer.partition(b"\r\n\r\n"))
+            await _until_free(running.front)
+        assert running.front.served_now == 1  # the third
+        assert _dechunked(answers[1][2]) == STREAM
+        for head, _, body in (answers[0], answers[2]):
+            assert head.startswith(b"HTTP/1.1 200 ")
+            if where == "between events":
+                events = _dechunked(body)
+                assert events.startswith(EVENT), events
+                error = json.loads(events[len(EVENT) + 6:])["error"]
+                assert error["code"] == ("upstream_timeout" if ends == "silent"
+                                         else "upstream_error"), error
+            else:
+                assert body == _chunked(sent)  # unended: no last chunk, no event of ours
+        # Cut on purpose: no error logged for it (uvicorn's "returned without completing
+        # response", on the task path).
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:
         await stack.aclose()

@@ -14,6 +14,7 @@ import pytest
 from llmgw.core import routing
 from llmgw.core.routing import Ring, by_affinity, choose, load_bound, two_choices
 from llmgw.server.openai import routes
+from llmgw.server.openai.proxy import ends_an_event
 from llmgw.server.openai.router import QueueFull, QueueTimeout, Router, Saturated
 
 
@@ -449,3 +450,22 @@ async def test_a_lease_dropped_without_release_frees_its_slot(caplog):
     assert served.replica == "a" and "dropped without release" in caplog.text
     served.release()
     assert r.in_flight() == {"a": 0}
+
+
+@pytest.mark.parametrize(("last", "between"), [
+    (b"", True),  # nothing written yet
+    (b'data: {"a":1}\n\n', True),
+    (b'data: {"a":1}\r\n\r\n', True),
+    (b'data: {"a":1}\r\r', True),
+    (b'data: {"a":1}\n\r\n', True),
+    (b'data: {"a":1}\r\r\n', True),
+    (b'data: {"a":1}\r\n\n', True),
+    (b'data: {"a":1}\n\r', True),  # a lone CR ends a line
+    (b'data: {"a":1}', False),
+    (b'data: {"a":1}\n', False),  # a line, not yet the event
+    (b'data: {"a":1}\r\n', False),
+    (b'data: {"a":1}\r', False),
+    (b'data: {"a":1}\n\ndata: {"b"', False),
+])
+def test_a_stream_is_ended_by_an_event_of_ours_only_between_two_events(last, between):
+    assert ends_an_event(last) is between

@@ -36,6 +36,7 @@ from llmgw.server.openai.proxy import (
     answer_headers,
     broken_answer,
     broken_stream,
+    ends_an_event,
     is_event_stream,
     no_head,
     stream_error,
@@ -170,8 +171,11 @@ class Exchange:
                     self._first_bytes()
                 if self._reader is not None:
                     self._reader.pending.append(last)  # settled as the usage is read
-            writer.finish(last if err is None else
-                          last + broken_stream(err, self._lease.replica, self._gateway))
+            if err is None:
+                writer.finish(last)
+            else:
+                self._end_piped(last, broken_stream(err, self._lease.replica,
+                                                    self._gateway))
             self._finish()
         elif err is not None:
             self._end_with(broken_answer(err, self._lease.replica, self._gateway))
@@ -186,6 +190,18 @@ class Exchange:
         write_whole(self._writer, answer.status, answer.headers, content, self._progress,
                     self._usage)
         self._finish()
+
+    def _end_piped(self, last: bytes, event: bytes) -> None:
+        """End a piped stream that broke off, after ``last`` (what came last, maybe
+        nothing), with ``event`` if it stopped between two events; else close the
+        client's connection after ``last``: its client sees the stream break."""
+        writer = self._writer
+        if ends_an_event(last or writer.last_part):
+            writer.finish(last + event)
+        else:
+            if last:
+                writer.write(last)
+            writer.cut()
 
     def _end_relay(self, event: bytes) -> None:
         """End a relayed stream that broke off, or was stopped, with ``event``, if it
@@ -241,7 +257,7 @@ class Exchange:
                 self._answer.stop_pipe()  # nothing more relayed before the end
                 self._end_relay(error)
             elif self._streaming:
-                self._writer.finish(error)
+                self._end_piped(b"", error)
             else:
                 self._write_error(ApiError(500, "internal error; the server's log has the "
                                            "details", code="internal_error"))

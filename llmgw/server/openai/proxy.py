@@ -36,6 +36,20 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 
+# How a body that stopped at the end of a server-sent event ends: a blank line, which is
+# two line ends in a row, each an LF, a CRLF or a lone CR.
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r", b"\n\r\n", b"\r\r\n")
+
+
+def ends_an_event(last: bytes) -> bool:
+    """Whether a stream whose body so far ends with ``last`` (a part of it: what was
+    written last) stopped between two events, so that an event of llmgw's may follow;
+    True when nothing was written. Inside an event, one of ours would be read as part of
+    it. (Engines write an event a chunk: a part that ends an event ends with its blank
+    line. One whose blank line is split over two parts is taken as inside an event.)"""
+    return not last or last.endswith(_EVENT_ENDS)
+
+
 def stream_error(message: str, code: str) -> bytes:
     """An OpenAI-shaped error as the stream's last event: a client reading SSE sees why."""
     body = msgspec.json.encode({"error": {"message": message, "type": "server_error",
@@ -230,6 +244,9 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                 await _copy(upstream, send, progress, reader)
         except UpstreamError as err:
             tail = broken_stream(err, replica, gateway)
+            if writer is not None and not ends_an_event(writer.last_part):
+                writer.cut()  # as a relayed stream's (direct.Exchange._end_relay)
+                return
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
         if reader is not None:
