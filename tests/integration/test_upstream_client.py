@@ -10,6 +10,7 @@ import socket
 
 import pytest
 
+from llmgw.server.openai import upstream
 from llmgw.server.openai.upstream import (
     Answer,
     ConnectError,
@@ -1051,4 +1052,61 @@ async def test_a_closed_answer_neither_pauses_nor_resumes_its_connection_any_mor
         assert not conn.paused
         assert (second.status, await second.read()) == (200, b'{"ok":true}')
         second.close()
+    await pool.close()
+
+
+async def test_a_relayed_stream_is_timed_by_when_the_engine_last_sent_data():
+    # A relayed read notes no time of its own: when the idle alarm rings, the kernel says
+    # how long the engine has been silent. Events 0.1 s apart for longer in all than the
+    # idle limit go through; a silence past it ends the stream.
+    async def steady_then_silent(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+            return
+        writer.write(CHUNKED + b"1\r\nx\r\n")
+        for _ in range(8):  # 8 x 0.1 s: longer in all than the idle limit
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"1\r\ny\r\n")
+        await writer.drain()
+        if n == 2:
+            writer.write(b"0\r\n\r\n")
+        else:
+            await reader.read()  # silent until the client goes
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(steady_then_silent) as engine:
+        await _one_idle_connection(pool, engine.port)
+        relay = await _relayed(pool, engine.port, idle_s=0.35)
+        await asyncio.wait_for(relay.over.wait(), 5)
+        assert relay.answer.done and relay.answer.error is None
+        assert b"".join(relay.written).count(b"y") == 8
+        relay.answer.close()
+
+        relay = await _relayed(pool, engine.port, idle_s=0.35)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(relay.over.wait(), 5)
+        took = asyncio.get_running_loop().time() - started
+        assert isinstance(relay.answer.error, UpstreamTimeout), relay.answer.error
+        assert relay.answer.error.phase == "idle"
+        assert b"".join(relay.written).count(b"y") == 8
+        assert 0.8 + 0.35 <= took < 0.8 + 0.35 + 1.0, took
+        relay.answer.close()
+    await pool.close()
+
+
+async def test_an_answer_is_relayed_only_where_the_kernel_says_when_data_came(monkeypatch):
+    # Where it cannot (no TCP_INFO), the answer is piped instead, each read noting the
+    # time, so the idle limit still holds.
+    async def chunked(reader, writer, n):
+        writer.write(OK if n == 1 else CHUNKED + b"1\r\nx\r\n0\r\n\r\n")
+
+    monkeypatch.setattr(upstream._Connection, "silent_for", lambda self: None)
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(chunked) as engine:
+        await _one_idle_connection(pool, engine.port)
+        relay = await _relayed(pool, engine.port)
+        await asyncio.wait_for(relay.over.wait(), 5)
+        assert relay.early is None and relay.answer.status == 200
+        relay.answer.close()
     await pool.close()

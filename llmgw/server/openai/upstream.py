@@ -19,6 +19,8 @@ import asyncio
 import collections
 import functools
 import logging
+import socket
+import struct
 from collections.abc import Callable
 from time import monotonic as _monotonic
 
@@ -37,6 +39,11 @@ _MAX_IDLE = 64
 # A connection's alarm rings this early rather than be set again for less: the loop's
 # timers count in milliseconds.
 _ALARM_SLACK_S = 0.001
+# struct tcp_info (linux/tcp.h): ``tcpi_last_data_recv``, milliseconds since data last
+# came in, a u32 after 8 bytes of u8 fields and 11 u32 ones.
+_LAST_DATA_RECV = struct.Struct("=I")
+_LAST_DATA_RECV_AT = 52
+_TCP_INFO_BYTES = _LAST_DATA_RECV_AT + _LAST_DATA_RECV.size
 
 
 @functools.lru_cache(maxsize=1024)
@@ -220,6 +227,8 @@ class Answer:
         # that at once and the first token after a long prefill).
         self._first_by = 0.0
         # When the body last moved (monotonic seconds), or 0.0 while none of it has come.
+        # A relayed body sets it at its first read only: how long the engine has been
+        # silent since is the kernel's to say (``_Connection.silent_for``).
         self._last = 0.0
         self._at_chunk_end: bool | None = None  # once asked
 
@@ -332,11 +341,13 @@ class Answer:
         all, rather than have it parsed into parts and framed again (``start_relay``): the
         bytes of the body that came with the head, as they came (maybe none). None when
         the body cannot be relayed so: it is not chunked, its head came in more than one
-        read (where it ends is then not known here), or a read came since the head."""
+        read (where it ends is then not known here), a read came since the head, or the
+        kernel cannot say when the engine last sent data (``_Connection.kernel_clock``)."""
         conn = self._conn
         data = conn._read
         if conn.answer is not self or not conn._chunked or conn._head_read is not data \
-                or conn.relay is not None or not data.startswith(b"HTTP/"):
+                or conn.relay is not None or not data.startswith(b"HTTP/") \
+                or not conn.kernel_clock:
             return None  # (llhttp skips empty lines before a head: not known how many)
         # The head began the read, and ends at its first empty line: llhttp takes no line
         # that ends without a CR (tests/integration/test_upstream_client.py). A whole
@@ -371,6 +382,7 @@ class Answer:
             def first(data: bytes) -> None:
                 if conn.relay is first:  # else this very read ended the relay
                     conn.relay = write
+                self._last = _monotonic()  # the body began: timed by the idle limit
                 on_first()
                 write(data)
 
@@ -503,7 +515,9 @@ class Answer:
                     self._arm_first()
                     return
             elif self._idle_s is not None:
-                idle_for = _monotonic() - self._last
+                idle_for = self._conn.silent_for()
+                if idle_for is None:
+                    idle_for = _monotonic() - self._last
                 if idle_for < self._idle_s:
                     # Data came since the limit was set: wait out the rest of the period.
                     self._arm(self._idle_s - idle_for)
@@ -635,6 +649,22 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._until_eof = False
         self._upgraded = False  # the answer was a switch of protocols
+        self.kernel_clock = False  # see connection_made
+
+    def silent_for(self) -> float | None:
+        """Seconds since the engine last sent data on this connection, as the kernel
+        counts them (TCP_INFO's ``tcpi_last_data_recv``), whether or not it was read
+        yet; None where the kernel does not say. A relayed stream's reads do not note
+        the time each (a clock read per event, in the hottest path); its idle limit asks
+        this instead when its alarm rings."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        except (AttributeError, OSError):  # no socket, no TCP_INFO: not Linux, or gone
+            return None
+        if len(info) < _TCP_INFO_BYTES:
+            return None
+        return _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0] / 1000
 
     def usable(self) -> bool:
         return not self._lost and self.transport is not None and \
@@ -730,6 +760,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Whether the kernel says when the engine last sent data (Linux's TCP does):
+        # only then is an answer relayed, its reads noting no time (``silent_for``).
+        self.kernel_clock = self.silent_for() is not None
 
     def data_received(self, data: bytes) -> None:
         # Every read of every stream: kept short, in one frame; the rest is handled apart.
@@ -749,7 +782,6 @@ class _Connection(asyncio.Protocol):
                 return
             relay(data)
             self._read = data
-            self.answer._last = _monotonic()
             left = self._relay_left - len(data)
             self._relay_left = left
             if left < 0:
@@ -905,7 +937,6 @@ class _Connection(asyncio.Protocol):
             data = data[:self._end_in(data)]
         relay(data)
         self._read = data
-        self.answer._last = _monotonic()
         self._relay_left -= len(data)
         if self._relay_left < 0 and self.relay is not None:
             self._settle_relay()
