@@ -82,8 +82,9 @@ class CallbackRoutes(Protocol):
         callbacks; False to have it served as any other, through the ASGI app, now. Once
         it said True, ``fall_back(extensions)`` still hands it to the app, with
         ``extensions`` (if any) added to its scope's, as long as nothing of the answer was
-        written. ``headers`` are as in a scope (names in lower case); ``body`` is the
-        server's own buffer: read, never changed."""
+        written. ``fall_back`` holds the request's state (the writer holds it only
+        weakly): keep it until the answer is over. ``headers`` are as in a scope (names in
+        lower case); ``body`` is the server's own buffer: read, never changed."""
 
 
 class BodyWriter:
@@ -601,7 +602,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._to_app(light)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._deferred = None
+        if self._deferred is not None:  # its body never came whole: nobody serves it
+            self._deferred.on_response = _nothing
+            self._deferred = None
         self._stop_head_timer()
         if self._keep_alive_timer is not None:
             self._keep_alive_timer.cancel()
@@ -628,10 +631,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._in_head and not self.transport.is_closing():
-            # A head that did not come whole. Bounded by what came of it: every byte of
-            # the read, since the head began in it or before (a request pipelined before it
-            # in the same read counts too: never less than the head).
-            self._head_bytes += len(data)
+            # A head that did not come whole, bounded by what came of it: of the read it
+            # began in (-1: that read may hold requests before it), its lines so far; each
+            # read after that, whole.
+            if self._head_bytes < 0:
+                self._head_bytes = self._head_size()
+            else:
+                self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.transport.write(_head_too_large())
                 self.transport.close()
@@ -647,7 +653,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
-        self._head_bytes = 0
+        self._head_bytes = -1  # began in this read
         self._in_head = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -658,15 +664,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         headers = self.headers
-        # The head's size as its lines' parts, "name: value\r\n" each, counted in C once
-        # it is whole; a head still coming is bounded as it comes (data_received).
-        if (len(self.url) + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
-                > MAX_HEAD_BYTES):
+        # Bounded by its size once whole; a head still coming, as it comes (data_received).
+        if self._head_size() > MAX_HEAD_BYTES:
             self._head_refused = _head_too_large()
             # Stops the parser; data_received answers through send_400_response below.
             raise httptools.HttpParserCallbackError("request head too large")
-        if dict(headers).get(b"expect", b"").lower() == b"100-continue":
-            self.expect_100_continue = True
+        if b"expect" in dict(headers):  # looked for in C; every such line, then
+            self.expect_100_continue = any(
+                name == b"expect" and value.lower() == b"100-continue"
+                for name, value in headers)
         self._stop_head_timer()
         self._requests += 1
         url, parser, cycle = self.url, self.parser, self.cycle
@@ -678,6 +684,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             light = self._deferred = _Light(self, url, parser.should_keep_alive()
                                             and not self._last_request)
             self.cycle = light
+            # An earlier request's scope (its BodyWriter holds this protocol) is not kept.
+            self.scope = None
             light.writer = self._new_writer(light)
             return
         self.scope = self._scope(self.headers)
@@ -689,6 +697,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
         # Read by the app once its task runs, which is after this callback.
         cycle.scope["extensions"] = {BODY_WRITER: self._new_writer(cycle)}
+
+    def _head_size(self) -> int:
+        """The size of the request head parsed so far: its target and its lines' parts,
+        "name: value\r\n" each, counted in C."""
+        headers = self.headers
+        return len(self.url) + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
 
     def _new_writer(self, cycle: RequestResponseCycle | _Light) -> BodyWriter:
         """The request's BodyWriter, as the connection's latest."""

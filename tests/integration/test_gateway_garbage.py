@@ -17,7 +17,7 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from llmgw.server.http import BodyWriter
+from llmgw.server.http import BodyWriter, _Light
 from llmgw.server.openai import upstream
 from llmgw.server.openai.router import Lease
 from tests.integration.gateway_state import engine_answering, gateway_in_process
@@ -25,7 +25,7 @@ from tests.integration.gateway_state import engine_answering, gateway_in_process
 MODEL = "garbage-model"
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 # Types made once per request; none may outlive it.
-PER_REQUEST = (BodyWriter, RequestResponseCycle, upstream.Answer, Lease)
+PER_REQUEST = (BodyWriter, RequestResponseCycle, _Light, upstream.Answer, Lease)
 
 
 async def _answer_request(head: bytes, body: bytes, reader: asyncio.StreamReader,
@@ -81,14 +81,19 @@ async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
 
 async def _requests(port: int, before: dict[str, int]) -> None:
     """Two plain and two streamed requests on one connection, then the connection closed:
-    nothing of them is left."""
+    nothing of them is left. The first goes through the app's task (a query string: not
+    a path the server holds for ``serve_now``), the rest are held and served from
+    callbacks."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    for stream in (False, True, False, True):
+    for target, stream in ((b"/v1/chat/completions?via=task", False),
+                           (b"/v1/chat/completions", True),
+                           (b"/v1/chat/completions", False),
+                           (b"/v1/chat/completions", True)):
         body = json.dumps({"model": MODEL, "stream": stream,
                            "messages": [{"role": "user", "content": "hi"}]}).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        writer.write(b"POST %b HTTP/1.1\r\nhost: x\r\n"
                      b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                     % (len(body), body))
+                     % (target, len(body), body))
         answer = await asyncio.wait_for(_answer(reader), 5)
         assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
     writer.close()
@@ -99,3 +104,31 @@ async def _requests(port: int, before: dict[str, int]) -> None:
             break
         await asyncio.sleep(0.01)
     assert _alive() == before
+
+
+async def test_a_request_whose_client_leaves_before_its_body_is_in_leaves_no_cycle():
+    # Held for serve_now while its body comes, then the connection is lost: nobody serves
+    # it, and nothing of it is left.
+    async with gateway_in_process(MODEL, engine_answering(_answer_request)) as port:
+        gc.collect()
+        before = _alive()
+        gc.disable()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                         b'{"model": "')
+            for _ in range(100):  # until the server holds it
+                if _alive()["_Light"] > before["_Light"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert _alive()["_Light"] == before["_Light"] + 1
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(100):
+                if _alive() == before:
+                    break
+                await asyncio.sleep(0.01)
+            assert _alive() == before
+        finally:
+            gc.enable()

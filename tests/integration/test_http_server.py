@@ -14,6 +14,7 @@ import gc
 import json
 import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 
@@ -236,10 +237,13 @@ async def test_a_head_that_keeps_coming_is_refused_once_over_the_limit():
     assert b"send fewer or shorter headers" in answer
 
 
-async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body():
+@pytest.mark.parametrize("expect", [b"Expect: 100-Continue\r\n",
+                                    b"Expect: 100-continue\r\nexpect: other\r\n"],
+                         ids=["one line", "and another expect line after it"])
+async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(expect):
     def exchange(port: int) -> tuple[bytes, bytes]:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-            conn.sendall(b"POST / HTTP/1.1\r\nhost: x\r\nExpect: 100-Continue\r\n"
+            conn.sendall(b"POST / HTTP/1.1\r\nhost: x\r\n" + expect +
                          b"content-length: 2\r\nconnection: close\r\n\r\n")
             interim = conn.recv(65536)  # before the body is sent
             conn.sendall(b"{}")
@@ -878,6 +882,40 @@ async def test_a_request_pipelined_behind_one_handed_back_is_answered_after_it()
     assert (second["path"], second["body"], second["back"]) == ("/now/whole", 6, None)
     assert app.now == ["/now/back"]  # the second, pipelined, went to the app
     assert running.server.server_state.total_requests == 2
+
+
+async def test_many_requests_pipelined_in_one_go_are_all_answered():
+    # Thousands of small requests in one write, over the head limit together: the server
+    # reads them in large reads that end inside a head, which is bounded by its own bytes,
+    # not by the requests before it in the read. The last head comes a moment later, so
+    # that a read ends inside it.
+    running = _Running()
+    app = _NowOrAsgi(running)
+    running.server = make_server(app, running.sock)
+    request = b"POST /now/other HTTP/1.1\r\nhost: x\r\nx-test: Held\r\ncontent-length: 1\r\n\r\nx"
+    count = MAX_HEAD_BYTES * 3 // len(request)
+
+    def pipelined(port: int) -> int:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            def send() -> None:  # apart from the reading: neither side waits on the other
+                conn.sendall(request * (count - 1) + request[:20])
+                time.sleep(0.3)  # what the server reads meanwhile ends inside the last head
+                conn.sendall(request[20:])
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            data, answers = b"", 0
+            while answers < count:
+                chunk = conn.recv(1 << 20)
+                assert chunk, f"closed after {answers} answers: {data[-300:]!r}"
+                data += chunk
+                answers = data.count(b"HTTP/1.1 200 ")
+            sender.join()
+            assert b" 431 " not in data
+            return answers
+
+    async with running:
+        assert await asyncio.to_thread(pipelined, running.port) == count
 
 
 async def test_a_relayed_response_over_leaves_no_callback_for_the_next_on_its_connection():
