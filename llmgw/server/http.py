@@ -104,7 +104,7 @@ class BodyWriter:
     __slots__ = ("_callbacks", "_cycle", "_flow", "_held", "_last", "_on_gone", "_protocol",
                  "_streaming", "_transport")
 
-    def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle):
+    def __init__(self, protocol: BoundedHeadProtocol, cycle: RequestResponseCycle | _Light):
         self._protocol: BoundedHeadProtocol | None = protocol  # None once the client left
         # Weakly: the cycle holds the scope, which holds this writer. A strong reference
         # back would leave every request a reference cycle for the cyclic collector, which
@@ -247,7 +247,7 @@ class BodyWriter:
             cycle.disconnected = True
             self._transport.close()
 
-    def _complete(self, cycle: RequestResponseCycle) -> None:
+    def _complete(self, cycle: RequestResponseCycle | _Light) -> None:
         self._take_back_callbacks()
         cycle.response_complete = True
         cycle.message_event.set()
