@@ -12,8 +12,10 @@ requests run, so that anything left in a cycle is still there to be counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+from collections.abc import Callable, Iterator
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
@@ -68,67 +70,62 @@ def _alive() -> dict[str, int]:
     return counts
 
 
-async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
-    async with gateway_in_process(MODEL, engine_answering(_answer_request)) as port:
-        gc.collect()
-        before = _alive()
-        gc.disable()
-        try:
-            await _requests(port, before)
-        finally:
-            gc.enable()
+@contextlib.contextmanager
+def _collector_off() -> Iterator[dict[str, int]]:
+    """The cyclic collector off, so that anything left in a cycle stays to be counted;
+    yields what was alive before."""
+    gc.collect()
+    before = _alive()
+    gc.disable()
+    try:
+        yield before
+    finally:
+        gc.enable()
 
 
-async def _requests(port: int, before: dict[str, int]) -> None:
-    """Two plain and two streamed requests on one connection, then the connection closed:
-    nothing of them is left. The first goes through the app's task (a query string: not
-    a path the server holds for ``serve_now``), the rest are held and served from
-    callbacks."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    for target, stream in ((b"/v1/chat/completions?via=task", False),
-                           (b"/v1/chat/completions", True),
-                           (b"/v1/chat/completions", False),
-                           (b"/v1/chat/completions", True)):
-        body = json.dumps({"model": MODEL, "stream": stream,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        writer.write(b"POST %b HTTP/1.1\r\nhost: x\r\n"
-                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                     % (target, len(body), body))
-        answer = await asyncio.wait_for(_answer(reader), 5)
-        assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
-    writer.close()
-    await writer.wait_closed()
-    # The server learns of the close from its loop; then nothing of a request is left.
+async def _until(predicate: Callable[[], bool], what: str) -> None:
+    """The server acts from its own loop callbacks: given a moment, never more."""
     for _ in range(100):
-        if _alive() == before:
-            break
+        if predicate():
+            return
         await asyncio.sleep(0.01)
-    assert _alive() == before
+    assert predicate(), f"waited a second for {what}: {_alive()}"
+
+
+async def test_proxied_requests_plain_and_streamed_leave_no_reference_cycles():
+    # Two plain and two streamed requests on one connection, then the connection closed:
+    # nothing of them is left. The first goes through the app's task (a query string: not
+    # a path the server holds for ``serve_now``), the rest are held and served from
+    # callbacks.
+    async with gateway_in_process(MODEL, engine_answering(_answer_request)) as port:
+        with _collector_off() as before:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for target, stream in ((b"/v1/chat/completions?via=task", False),
+                                   (b"/v1/chat/completions", True),
+                                   (b"/v1/chat/completions", False),
+                                   (b"/v1/chat/completions", True)):
+                body = json.dumps({"model": MODEL, "stream": stream,
+                                   "messages": [{"role": "user", "content": "hi"}]}).encode()
+                writer.write(b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                             b"\r\ncontent-length: %d\r\n\r\n%b" % (target, len(body), body))
+                answer = await asyncio.wait_for(_answer(reader), 5)
+                assert (b'"usage"' in answer) and ((b"[DONE]" in answer) == stream), answer
+            writer.close()
+            await writer.wait_closed()
+            await _until(lambda: _alive() == before, "nothing of a request left")
 
 
 async def test_a_request_whose_client_leaves_before_its_body_is_in_leaves_no_cycle():
     # Held for serve_now while its body comes, then the connection is lost: nobody serves
     # it, and nothing of it is left.
     async with gateway_in_process(MODEL, engine_answering(_answer_request)) as port:
-        gc.collect()
-        before = _alive()
-        gc.disable()
-        try:
+        with _collector_off() as before:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
                          b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
                          b'{"model": "')
-            for _ in range(100):  # until the server holds it
-                if _alive()["_Light"] > before["_Light"]:
-                    break
-                await asyncio.sleep(0.01)
-            assert _alive()["_Light"] == before["_Light"] + 1
+            await _until(lambda: _alive()["_Light"] == before["_Light"] + 1,
+                         "the server to hold the request")
             writer.close()
             await writer.wait_closed()
-            for _ in range(100):
-                if _alive() == before:
-                    break
-                await asyncio.sleep(0.01)
-            assert _alive() == before
-        finally:
-            gc.enable()
+            await _until(lambda: _alive() == before, "nothing of the request left")
