@@ -182,12 +182,14 @@ class BodyWriter:
                     held.transport.write(b"".join(held.parts))
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]],
-              length: int | None = None) -> None:
+              length: int | None = None, then: bytes = b"") -> None:
         """What ``send`` does with an ``http.response.start``, at once, for a caller with no
         task to await it in: the head with ``headers`` (names in lower case, and no CR or
         LF in them: llmgw's own, or an engine's as httptools parsed them; no length or
         framing), a body of ``length`` bytes, or chunked when ``length`` is None. Nothing
-        once the client is gone. ``finish`` ends the response."""
+        once the client is gone. ``finish`` ends the response. ``then``, the first bytes of
+        the body as they go on the wire (framed already, if chunked), leaves in the same
+        write as the head."""
         cycle = self._cycle()
         if cycle is None or cycle.disconnected:
             return
@@ -209,7 +211,7 @@ class BodyWriter:
             parts.append(b"content-length: %d\r\n" % length)
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
+        parts += (b"\r\n", then)
         cycle.transport.write(b"".join(parts))
 
     def finish(self, body: bytes = b"") -> None:

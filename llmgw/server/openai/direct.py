@@ -134,10 +134,11 @@ class Exchange:
         self._progress.started(200)
         reader = self._reader = StreamUsage() if self._usage is not None else None
         early = answer.relayable()
-        if answer.pending or early:
-            writer.hold()  # the first chunk came with the head: both in one write
-        writer.start(200, answer_headers(answer.headers, whole=False))
+        headers = answer_headers(answer.headers, whole=False)
         if early is None:
+            if answer.pending:
+                writer.hold()  # the first chunk came with the head: both in one write
+            writer.start(200, headers)
             answer.start_pipe(writer.sink(answer.resume, self._first_bytes, reader))
             writer.release()
             return True
@@ -146,7 +147,8 @@ class Exchange:
         if answer.pending:
             self._first_bytes()
             on_first = None
-        write = writer.relay(early, answer.pause, answer.resume)
+        writer.start(200, headers, then=early)  # the first chunk, if it came, with the head
+        write = writer.relay(b"", answer.pause, answer.resume)
         answer.start_relay(write, on_first, None if reader is None else reader.feed,
                            SETTLE_BYTES)
         return True
@@ -269,10 +271,7 @@ class Exchange:
     def _close_upstream(self) -> None:
         """Drop the answer (its connection goes back to the pool only when read to the
         end) and free the slot."""
-        answer = self._answer
-        answer.watch(None)
-        answer.stop_pipe()
-        answer.close()
+        self._answer.close()
         self._lease.release()
 
     def _finish(self) -> None:

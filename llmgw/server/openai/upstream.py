@@ -168,8 +168,10 @@ class Pool:
         if self._closed:
             conn.abort()
             return
-        idle = self._idle.setdefault(conn.address, collections.deque())
-        if len(idle) >= _MAX_IDLE:
+        idle = self._idle.get(conn.address)
+        if idle is None:
+            self._idle[conn.address] = collections.deque((conn,))
+        elif len(idle) >= _MAX_IDLE:
             conn.abort()
         else:
             idle.append(conn)
@@ -464,7 +466,9 @@ class Answer:
 
     def close(self) -> None:
         """Release the connection: back to the pool when the answer was read to its end,
-        else dropped."""
+        else dropped. Nothing of the answer is handed on, relayed or watched after this
+        (its connection's ``finish`` takes back a sink or a relay of its own)."""
+        self._watch = self._sink = None
         self._disarm()
         self._conn.finish(self, reuse=self._done and self._error is None and not self._chunks)
 
@@ -683,11 +687,11 @@ class _Connection(asyncio.Protocol):
     def finish(self, answer: Answer, reuse: bool) -> None:
         if self.answer is not answer:
             return
-        self.answer = None
-        self.sink = None
-        self.stop_relay()
+        self.answer = self.sink = None
+        if self.relay is not None:
+            self.stop_relay()
         self._read, self._head_read = b"", None  # not kept while idle
-        if reuse and self._keep_alive and self.usable():
+        if reuse and self._keep_alive and not self._lost and not self.transport.is_closing():
             # Read whole, but reading may have been paused for a client that left or
             # lagged as the last chunk came: the next answer on it must be read.
             self.resume()
