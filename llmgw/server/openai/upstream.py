@@ -201,9 +201,9 @@ class Answer:
     engine framed it (``relayable``, ``start_relay``). ``close()`` ends it early, dropping
     the connection so the engine learns nobody listens."""
 
-    __slots__ = ("_at_chunk_end", "_chunks", "_conn", "_done", "_error", "_first_by",
-                 "_first_byte_s", "_idle_s", "_last", "_limit", "_queued", "_sink",
-                 "_waiter", "_watch", "_watch_due", "headers", "status")
+    __slots__ = ("_at_chunk_end", "_chunks", "_conn", "_first_by", "_first_byte_s", "_idle_s",
+                 "_last", "_limit", "_queued", "_sink", "_waiter", "_watch", "_watch_due",
+                 "done", "error", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -215,8 +215,8 @@ class Answer:
         self._chunks: collections.deque[bytes] = collections.deque()
         self._queued = 0
         self._sink: Callable[[list[bytes]], bool] | None = None
-        self._done = False
-        self._error: UpstreamError | None = None
+        self.done = False  # the whole answer came
+        self.error: UpstreamError | None = None  # why it broke off (a limit, the engine)
         self._waiter: asyncio.Future | None = None
         # Called instead of waking a waiter: see ``watch``.
         self._watch: Callable[[], None] | None = None
@@ -250,7 +250,7 @@ class Answer:
         finally:
             self._disarm()
         if not self.status:
-            raise self._error or UpstreamError("the answer ended early", answered=False)
+            raise self.error or UpstreamError("the answer ended early", answered=False)
 
     async def read(self) -> bytes:
         """The whole body; its first byte under the first-byte limit, each wait for more
@@ -267,7 +267,7 @@ class Answer:
         answer is complete. Raises UpstreamError when the engine breaks it off, and
         UpstreamTimeout when its first byte does not come within the first-byte limit or
         it then sends nothing for the idle limit."""
-        if not self._chunks and not self._done and self._error is None:
+        if not self._chunks and not self.done and self.error is None:
             if not self._last:
                 if self._limit is None:
                     self._arm_first()
@@ -282,8 +282,8 @@ class Answer:
             if self._conn.paused:
                 self._conn.resume()
             return data
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         self._disarm()
         return b""
 
@@ -297,12 +297,12 @@ class Answer:
         as ``chunk()`` does, the idle limit counting only while reading is not paused."""
         self.start_pipe(sink)
         try:
-            while not self._done and self._error is None:
+            while not self.done and self.error is None:
                 await self._wait()
         finally:
             self.stop_pipe()
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
 
     def start_pipe(self, sink: Callable[[list[bytes]], bool]) -> None:
         """``pipe`` without waiting, for a caller that ``watch``es the answer: the body goes
@@ -317,9 +317,9 @@ class Answer:
             else:
                 self._conn.pause()
         self._sink = sink
-        if not self._done and self._conn.answer is self:
+        if not self.done and self._conn.answer is self:
             self._conn.sink = sink  # the rest of the body goes to it as it comes
-        if not self._done:  # else it came whole before there was a sink: nothing to time
+        if not self.done:  # else it came whole before there was a sink: nothing to time
             self._time_body()
 
     def _time_body(self) -> None:
@@ -354,7 +354,7 @@ class Answer:
         # The head began the read, and ends at its first empty line: llhttp takes no line
         # that ends without a CR (tests/integration/test_upstream_client.py). A whole
         # answer ends where its last chunk does.
-        end = conn._end_in(data) if self._done else len(data)
+        end = conn._end_in(data) if self.done else len(data)
         return data[data.index(b"\r\n\r\n") + 4:end]
 
     def start_relay(self, write: Callable[[bytes], object], on_first: Callable[[], None] | None,
@@ -375,7 +375,7 @@ class Answer:
         self._queued = 0
         if keep is not None and parts:
             keep(parts)
-        if self._done or self._error is not None:
+        if self.done or self.error is not None:
             return  # came whole with the head
         conn._relay_keep, conn._relay_every, conn._relay_left = keep, every, every
         if on_first is None:
@@ -396,7 +396,7 @@ class Answer:
         where one chunk ended and before the next began: a caller may end what it relayed
         with chunks of its own. False once a read did not parse (its bytes were not
         relayed). Its connection is not used again (``close`` drops it)."""
-        if not self.status or (self._done and self._error is None):
+        if not self.status or (self.done and self.error is None):
             raise RuntimeError("Answer.at_chunk_end of an answer with no head, or whole")
         if self._at_chunk_end is None:
             # What was relayed ended a line, and the end of a body would end the answer:
@@ -422,16 +422,6 @@ class Answer:
         was handed on whole (the read that completes the answer is left ``pending`` for
         it: ``take``), or soon from the loop for a limit or a lost connection."""
         self._watch = callback
-
-    @property
-    def done(self) -> bool:
-        """The whole answer came."""
-        return self._done
-
-    @property
-    def error(self) -> UpstreamError | None:
-        """Why the answer broke off (a limit, the engine), or None."""
-        return self._error
 
     @property
     def got_nothing(self) -> bool:
@@ -470,7 +460,7 @@ class Answer:
         (its connection's ``finish`` takes back a sink or a relay of its own)."""
         self._watch = self._sink = None
         self._disarm()
-        self._conn.finish(self, reuse=self._done and self._error is None and not self._chunks)
+        self._conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
 
     # --- timers ---------------------------------------------------------------------------
 
@@ -506,7 +496,7 @@ class Answer:
 
     def _expired(self) -> None:
         self._limit = None
-        if self._done or self._error is not None:
+        if self.done or self.error is not None:
             return
         if self.status:
             if self._chunks or self._conn.paused:
@@ -562,8 +552,8 @@ class Answer:
                 self._watch()
 
     def _fail(self, error: UpstreamError, in_read: bool = False) -> None:
-        if self._error is None and not self._done:
-            self._error = error
+        if self.error is None and not self.done:
+            self.error = error
             self._unsink()
             if in_read:
                 self._moved()
@@ -594,7 +584,7 @@ class Answer:
         self._moved()
 
     def _complete(self, in_read: bool = False) -> None:
-        self._done = True
+        self.done = True
         if self._watch is not None:
             # The read that ends it is queued, for the watch to end the answer with it.
             self._unsink()
@@ -857,8 +847,8 @@ class _Connection(asyncio.Protocol):
             if self._parts:
                 self._hand_on()
         finally:
-            if relaying and answer._done:
-                answer._error = broken  # its watch, due, finds it failed
+            if relaying and answer.done:
+                answer.error = broken  # its watch, due, finds it failed
             answer._fail(broken, in_read=True)
             self.abort()
             if self.due:
@@ -872,10 +862,13 @@ class _Connection(asyncio.Protocol):
         answer = self.answer
         if answer is None or not answer._watch_due:
             return
-        try:
-            answer._run_watch()
-        except Exception:
-            log.exception("unexpected error in the watch of an answer")
+        answer._watch_due = False  # ``Answer._run_watch``, inline: twice a request
+        watch = answer._watch
+        if watch is not None:
+            try:
+                watch()
+            except Exception:
+                log.exception("unexpected error in the watch of an answer")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -900,7 +893,7 @@ class _Connection(asyncio.Protocol):
         # more than it said) fails the read, and the connection is dropped; the answer
         # before it keeps what it had.
         answer = self.answer
-        if answer is None or answer._done:
+        if answer is None or answer.done:
             raise _Unasked
         self.got_nothing = False
         self._head_read = self._read
