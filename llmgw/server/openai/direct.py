@@ -22,17 +22,18 @@ written to the client.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from llmgw.config import Gateway
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage
 from llmgw.server.errors import ApiError
 from llmgw.server.http import BodyWriter
 from llmgw.server.openai.proxy import (
-    Progress,
     Retryable,
-    UsageSink,
     answer_headers,
     broken_answer,
     broken_stream,
@@ -45,34 +46,45 @@ from llmgw.server.openai.proxy import (
 from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import Answer, UpstreamTimeout
 
+if TYPE_CHECKING:
+    from llmgw.server.metrics import Metrics
+    from llmgw.server.openai.usage import UsageRecorder
+
 log = logging.getLogger(__name__)
 
 
 class Exchange:
-    """One request sent to an engine, answered from callbacks until it is over.
+    """One request sent to an engine, answered from callbacks until it is over; and the
+    request's progress (``proxy.Progress``), for its metrics.
 
     ``fall_back(refusal)`` hands the request back to the task path before anything was
     written: ``refusal`` says why this replica did not take it (None: not its fault, a
-    kept-alive connection the engine had closed). ``done()`` is called once the answer is
-    over, however it ended."""
+    kept-alive connection the engine had closed). Once the answer is over, however it
+    ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
+    (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key ``key_id``),
+    unless ``usage`` is None."""
 
-    __slots__ = ("_answer", "_done", "_fall_back", "_gateway", "_kept", "_lease", "_over",
-                 "_progress", "_reader", "_relayed", "_relaying", "_stream", "_streaming",
-                 "_usage", "_writer")
+    __slots__ = ("_answer", "_began", "_fall_back", "_gateway", "_kept", "_key_id", "_kind",
+                 "_lease", "_metrics", "_model", "_over", "_reader", "_relayed", "_relaying",
+                 "_status", "_stream", "_streaming", "_usage", "_writer")
 
     def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
-                 progress: Progress, usage: UsageSink | None,
-                 fall_back: Callable[[str | None], None], done: Callable[[], None],
-                 *, stream: bool):
+                 metrics: Metrics, model: str, kind: str, usage: UsageRecorder | None,
+                 key_id: int | None, fall_back: Callable[[str | None], None], *,
+                 stream: bool):
         self._answer = answer
         self._stream = stream  # the client asked for a stream
         self._lease = lease
         self._gateway = gateway
         self._writer = writer
-        self._progress = progress
+        self._metrics = metrics
+        self._model = model
+        self._kind = kind
         self._usage = usage
+        self._key_id = key_id
         self._fall_back = fall_back
-        self._done = done
+        self._began = time.perf_counter()
+        self._status = 0  # the answer's, once started
         self._over = False
         self._streaming = False  # relayed as a stream; else kept whole in ``_kept``
         self._kept: list[bytes] | None = None
@@ -81,6 +93,15 @@ class Exchange:
         self._relaying = False  # the stream is relayed as the engine framed it
         answer.watch(self._step)
         writer.on_disconnect(self._client_gone)
+
+    # proxy.Progress
+
+    def started(self, status: int) -> None:
+        self._status = status
+
+    def first_bytes(self) -> None:
+        if self._stream:
+            self._metrics.first_byte(self._model, time.perf_counter() - self._began)
 
     def _step(self) -> None:
         if self._over:
@@ -131,7 +152,7 @@ class Exchange:
             answer.start_pipe(keep)
             return True
         self._streaming = True
-        self._progress.started(200)
+        self._status = 200
         reader = self._reader = StreamUsage() if self._usage is not None else None
         early = answer.relayable()
         headers = answer_headers(answer.headers, whole=False)
@@ -189,8 +210,10 @@ class Exchange:
         self._over = True
         self._writer.on_disconnect(None)
         answer = self._answer
-        write_whole(self._writer, answer.status, answer.headers, content, self._progress,
-                    self._usage)
+        usage = self._usage
+        write_whole(self._writer, answer.status, answer.headers, content, self,
+                    None if usage is None else functools.partial(usage.add, self._key_id,
+                                                                 self._model))
         self._finish()
 
     def _end_piped(self, last: bytes, event: bytes) -> None:
@@ -219,7 +242,7 @@ class Exchange:
 
     def _first_bytes(self) -> None:
         self._relayed = True
-        self._progress.first_bytes()
+        self.first_bytes()
 
     def _hand_back(self, refusal: str | None) -> None:
         """To the task path, which tries again (nothing was written)."""
@@ -235,11 +258,11 @@ class Exchange:
         self._close_upstream()
         self._write_error(err)
         self._writer.served()
-        self._done()
+        self._count()
 
     def _write_error(self, err: ApiError) -> None:
         headers, body = err.raw()
-        self._progress.started(err.status)
+        self._status = err.status
         self._writer.start(err.status, headers, len(body))
         self._writer.finish(body)
 
@@ -279,6 +302,11 @@ class Exchange:
         if self._reader is not None:
             # Counted however the stream ended (broken off, or the client left): the
             # tokens were spent.
-            self._usage(self._reader.counted())
+            self._usage.add(self._key_id, self._model, self._reader.counted())
         self._writer.served()
-        self._done()
+        self._count()
+
+    def _count(self) -> None:
+        """The request is over: in the metrics (499 if the client left unanswered)."""
+        self._metrics.request_done(self._model, self._kind, self._status or 499,
+                                   time.perf_counter() - self._began)

@@ -232,8 +232,9 @@ REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt
 # for the task path's retries (a scope extension).
 _REFUSED = "llmgw.refused"
 # The endpoints whose requests ``serve_now`` serves, as the server finds them in a request
-# line: each with its path and the field its body must have.
-_SERVED_NOW = {path.encode(): (path, field) for path, field in REQUIRED_FIELD.items()}
+# line: each with its path, the field its body must have and its metrics' kind.
+_SERVED_NOW = {path.encode(): (path, field, endpoint_kind(path))
+               for path, field in REQUIRED_FIELD.items()}
 
 
 def gateway_first(app: ASGIApp, state: GatewayContext) -> GatewayFront:
@@ -284,7 +285,7 @@ class GatewayFront:
         pool = state.upstream
         if pool is None or writer.disconnected:
             return False
-        path, required = _SERVED_NOW[target]
+        path, required, kind = _SERVED_NOW[target]
         try:
             head = _parse(body, required)
         except ApiError:
@@ -317,13 +318,7 @@ class GatewayFront:
         if answer is None:
             lease.release()
             return False
-        seen = _Seen(state.metrics)
-        seen.model, seen.stream = model, stream
-        metrics, kind = state.metrics, endpoint_kind(path)
-
-        def done() -> None:
-            metrics.request_done(model, kind, seen.status or 499,
-                                 time.perf_counter() - seen.began)
+        metrics = state.metrics
 
         def hand_back(refusal: str | None) -> None:
             if refusal is None:
@@ -333,9 +328,9 @@ class GatewayFront:
                 fall_back({_REFUSED: (lease.replica, refusal)})
 
         self.served_now += 1
-        Exchange(answer, lease, gateway, writer, seen,
-                 functools.partial(state.usage.add, record.id, model) if record else None,
-                 hand_back, done, stream=stream)
+        Exchange(answer, lease, gateway, writer, metrics, model, kind,
+                 state.usage if record else None, record.id if record else None, hand_back,
+                 stream=stream)
         return True
 
 
