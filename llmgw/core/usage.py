@@ -307,14 +307,18 @@ class StreamUsage:
     line longer than `max_line` is skipped. (OpenAI's own streams, asked for usage, name
     ``"usage": null`` in every event: read per chunk, each was a JSON document decoded.)
 
-    Two ways in: `feed`, or, for a relay that hands on every read of a stream, the list
-    `pending`, extended with each read's chunks (a list's ``extend``: no Python call per
-    read) and taken into the buffer by `settle`, which the relay calls once at least
-    `SETTLE_BYTES` came since the last time, so that the memory a stream holds stays
-    bounded. `events`, `end` and `counted` settle first.
+    Two ways in: `feed`, which takes the chunks into the buffer once half of
+    `SETTLE_BYTES` of them wait (so that a relay that feeds it every half of that, as
+    `direct.Exchange` does, holds no more than `SETTLE_BYTES` and a read); or, for a
+    relay that hands on every read of a stream, the list `pending`, extended with each
+    read's chunks (a list's ``extend``: no Python call per read) and taken into the buffer
+    by `settle`, which the relay calls once at least `SETTLE_BYTES` came since the last
+    time. Either way the memory a stream holds stays bounded, and a short stream is copied
+    once, at its end. `events`, `end` and `counted` settle first.
     """
 
-    __slots__ = ("_bound", "_cut", "_events", "_limit", "_max_line", "_tail", "pending")
+    __slots__ = ("_bound", "_cut", "_events", "_fed", "_limit", "_max_line", "_tail",
+                 "pending")
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
@@ -324,11 +328,14 @@ class StreamUsage:
         self._cut = False  # the front of the stream was dropped from `tail`
         self._events = 0  # events in what was dropped
         self.pending: list[bytes] = []  # the stream's chunks not yet settled, in order
+        self._fed = 0  # bytes `feed` put in `pending` since it was last settled
 
     def feed(self, chunks: list[bytes]) -> None:
         """The stream's next chunks, in order (a list: what one read brought)."""
         self.pending += chunks
-        self.settle()
+        self._fed += sum(map(len, chunks))
+        if self._fed >= SETTLE_BYTES // 2:
+            self.settle()
 
     def settle(self) -> None:
         """Take the chunks in `pending` into the buffer, in one copy. Into an empty buffer
@@ -338,6 +345,7 @@ class StreamUsage:
             return
         data = b"".join(pending)  # one bytes: no copy of a lone bytes, none kept of a caller's
         pending.clear()
+        self._fed = 0
         tail = self._tail
         if not tail:
             self._tail = tail = data

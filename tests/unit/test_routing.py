@@ -273,6 +273,22 @@ async def test_unknown_model_or_every_replica_excluded_is_none_at_once():
     assert await r.acquire("m", exclude={"a"}) is None
 
 
+async def test_one_replica_is_leased_while_it_has_a_slot_and_counted_as_the_only_choice():
+    r = router(("a", 2))
+    assert (r.choices("m"), r.choices("other")) == (1, 0)
+    first, second = r.pick("m"), r.pick("m")
+    assert first.endpoint.replica == second.endpoint.replica == "a"
+    assert r.pick("m") is None, "both its slots are taken"
+    assert r.in_flight() == {"a": 2}
+    first.release()
+    assert r.pick("m", exclude={"a"}) is None
+    third = r.pick("m")
+    assert third is not None and r.in_flight() == {"a": 2}
+    second.release()
+    third.release()
+    assert router(("a", 1), ("b", 1)).choices("m") == 2
+
+
 async def test_slots_default_when_the_controller_gives_none():
     r = Router(default_slots=2)
     r.update({"m": [("a", "fd00::1", 8000)]})

@@ -12,6 +12,7 @@ import pytest
 from llmgw.core.usage import (
     AFTER_USAGE_BYTES,
     MAX_LINE_BYTES,
+    SETTLE_BYTES,
     TAIL_LINES,
     Counts,
     Limits,
@@ -214,6 +215,23 @@ def test_overlong_line_is_skipped_and_memory_stays_bounded() -> None:
         peak = max(peak, len(reader._tail))
     assert reader.end() == Usage(3, 4)  # the long line's usage was skipped, not misread
     assert peak <= 2 * (MAX_LINE_BYTES + AFTER_USAGE_BYTES)
+
+
+def test_fed_chunks_wait_until_half_the_settle_bytes_came_then_go_in_at_once() -> None:
+    # A short stream is copied into the buffer once, when its usage is read; a long one
+    # never has half of SETTLE_BYTES waiting once a feed returns.
+    short = StreamUsage()
+    short.feed([sse(delta("a"), done=False)])
+    short.feed([sse(delta("b"))])
+    assert len(short.pending) == 2 and short.counted() == Usage(0, 3)
+    assert short.pending == []
+    chunk = sse(delta("c" * 900), done=False)
+    long, most = StreamUsage(), 0
+    for _ in range(4 * SETTLE_BYTES // len(chunk)):
+        long.feed([chunk])
+        most = max(most, sum(map(len, long.pending)))
+    assert SETTLE_BYTES // 2 - len(chunk) <= most < SETTLE_BYTES // 2
+    assert long.events() == 4 * SETTLE_BYTES // len(chunk)
 
 
 def test_a_line_without_end_does_not_grow_the_tail() -> None:

@@ -171,7 +171,7 @@ class Exchange:
         writer.start(200, headers, then=early)  # the first chunk, if it came, with the head
         write = writer.relay(b"", answer.pause, answer.resume)
         answer.start_relay(write, on_first, None if reader is None else reader.feed,
-                           SETTLE_BYTES)
+                           SETTLE_BYTES // 2)  # with what `feed` keeps: SETTLE_BYTES
         return True
 
     def _end(self) -> None:

@@ -230,9 +230,21 @@ class Router:
         pool = self._pools.get(model)
         if pool is None:
             return None
-        endpoint = routing.choose(pool.endpoints, self._rng, ring=pool.ring, key=affinity_key,
+        endpoints = pool.endpoints
+        if len(endpoints) == 1:  # nothing to choose between: no draw, no ring
+            endpoint = endpoints[0]
+            if endpoint.outstanding >= endpoint.slots or endpoint.replica in exclude:
+                return None
+            return pool.lease(endpoint)
+        endpoint = routing.choose(endpoints, self._rng, ring=pool.ring, key=affinity_key,
                                   total=pool.total, epsilon=self.epsilon, exclude=exclude)
         return None if endpoint is None else pool.lease(endpoint)
+
+    def choices(self, model: str) -> int:
+        """How many ready replicas ``model`` has: with one, an affinity key would choose
+        nothing (a caller need not work it out)."""
+        pool = self._pools.get(model)
+        return 0 if pool is None else len(pool.endpoints)
 
     async def acquire(self, model: str, affinity_key: str | bytes | None = None,
                       exclude: Collection[str] = (), wait_s: float | None = None

@@ -295,18 +295,21 @@ class GatewayFront:
             return False
         record = None
         if state.config.auth.require_api_key:
-            authorization = headers.get(b"authorization")
-            key = bearer(authorization and authorization.decode("latin-1"))
-            record = state.api_keys.good_now(key) if key is not None else None
+            authorization = headers.get(b"authorization", b"")
+            # ``Bearer <key>`` as clients send it; any other form (``auth.bearer`` takes
+            # more), a key not read lately, refused or limited: the task path says which.
+            if authorization[:7] != b"Bearer ":
+                return False
+            record = state.api_keys.good_now(authorization[7:].decode("latin-1"))
             if record is None or record.limits.any:
-                return False  # read, refused or limited: the task path says which
+                return False
         model = head.model
         if not _may_use(state.controller.catalog, model,
                         record.allowed_models if record is not None else None):
             return False  # the task path says why
-        gateway = state.config.gateway
-        key = _affinity(head) if gateway.affinity else None
-        lease = state.router.pick(model, key)
+        gateway, router = state.config.gateway, state.router
+        key = _affinity(head) if gateway.affinity and router.choices(model) > 1 else None
+        lease = router.pick(model, key)
         if lease is None:
             return False
         endpoint, stream = lease.endpoint, head.stream
