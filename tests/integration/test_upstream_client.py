@@ -752,9 +752,12 @@ class _Relay:
     """A watch that relays an answer as the callback path does: once its head is in, what
     came with it and every read after, as they came; the body's parts kept apart."""
 
-    def __init__(self, answer: Answer, every: int = 2**16) -> None:
+    def __init__(self, answer: Answer, every: int = 2**16, ended: bool = False) -> None:
         self.answer = answer
         self.every = every
+        # ``ended``: told of a whole answer's end by the relay's ``on_end``, not the watch.
+        self.ends: list[str] | None = [] if ended else None
+        self.steps = 0  # watch calls
         self.early: bytes | None = None  # relayable() at the head; None: not relayable
         self.written: list[bytes] = []
         self.kept: list[list[bytes]] = []
@@ -768,15 +771,21 @@ class _Relay:
 
     def _step(self) -> None:
         answer = self.answer
+        self.steps += 1
         if answer.status and self.early is None and not self.over.is_set():
             self.early = answer.relayable()
             if self.early is None:
                 self.over.set()
                 return
             answer.start_relay(self.written.append, self._first,
-                               lambda parts: self.kept.append(list(parts)), self.every)
+                               lambda parts: self.kept.append(list(parts)), self.every,
+                               None if self.ends is None else self._ended)
         if answer.done or answer.error is not None:
             self.over.set()
+
+    def _ended(self) -> None:
+        self.ends.append(f"done={self.answer.done} error={self.answer.error}")
+        self.over.set()
 
     @property
     def relayed(self) -> bytes:
@@ -797,14 +806,14 @@ async def _until(predicate, what: str, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _relayed(pool: Pool, port: int, *, idle_s: float | None = 5, every: int = 2**16
-                   ) -> _Relay:
+async def _relayed(pool: Pool, port: int, *, idle_s: float | None = 5, every: int = 2**16,
+                   ended: bool = False) -> _Relay:
     """A request sent on the pool's idle connection to ``port``, relayed by a _Relay."""
     answer = pool.send_now("127.0.0.1", port, request_bytes(
         "127.0.0.1", port, "/v1/chat/completions", b'{"model":"m"}', b"application/json"),
         5, idle_s)
     assert answer is not None, "no idle connection to send on"
-    return _Relay(answer, every)
+    return _Relay(answer, every, ended)
 
 
 async def _one_idle_connection(pool: Pool, port: int) -> None:
@@ -986,6 +995,47 @@ async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
         kept = b"".join(b"".join(parts) for parts in relay.kept)
         assert kept.startswith(b"one")
         answer.close()
+    await pool.close()
+
+
+async def test_a_relayed_answer_that_came_whole_ends_by_on_end_and_one_broken_by_its_watch():
+    # The relay's caller learns of a whole answer's end from on_end, once, after the
+    # read that ended it was relayed to its end, and its watch is not called for it; an
+    # answer that broke off goes to the watch, as without on_end.
+    step = asyncio.Event()
+
+    async def answers(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+            await writer.drain()
+            return None
+        writer.write(CHUNKED + b"3\r\none\r\n")
+        await writer.drain()
+        await step.wait()  # a read of its own
+        step.clear()
+        writer.write(b"3\r\ntwo\r\n0\r\n\r\n" if n == 2 else b"3\r\ntw")
+        await writer.drain()
+        return None if n == 2 else False
+
+    pool = Pool(connect_timeout_s=2)
+    async with Engine(answers) as engine:
+        await _one_idle_connection(pool, engine.port)
+        whole = await _relayed(pool, engine.port, ended=True)
+        await _until(lambda: whole.early is not None, "the head")
+        steps = whole.steps
+        step.set()
+        await asyncio.wait_for(whole.over.wait(), 5)
+        assert whole.ends == ["done=True error=None"]
+        assert whole.steps == steps, "the watch was called for the end"
+        assert whole.relayed == b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n"
+        whole.answer.close()
+        broken = await _relayed(pool, engine.port, ended=True)
+        await _until(lambda: broken.early is not None, "the head")
+        step.set()
+        await asyncio.wait_for(broken.over.wait(), 5)
+        assert broken.ends == [] and broken.answer.error is not None
+        assert not broken.answer.done
+        broken.answer.close()
     await pool.close()
 
 

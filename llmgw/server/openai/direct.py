@@ -171,8 +171,23 @@ class Exchange:
         writer.start(200, headers, then=early)  # the first chunk, if it came, with the head
         write = writer.relay(b"", answer.pause, answer.resume)
         answer.start_relay(write, on_first, None if reader is None else reader.feed,
-                           SETTLE_BYTES // 2)  # with what `feed` keeps: SETTLE_BYTES
+                           SETTLE_BYTES // 2,  # with what `feed` keeps: SETTLE_BYTES
+                           self._relayed_whole)
         return True
+
+    def _relayed_whole(self) -> None:
+        """The relayed stream ended where the engine ended it, its end relayed too: the
+        answer is complete (``Answer.start_relay``'s ``on_end``: no watch, no ``_end``)."""
+        if self._over:
+            return
+        self._over = True
+        try:
+            self._writer.on_disconnect(None)
+            self._writer.end_relayed()
+            self._finish()
+        except Exception:
+            log.exception("unexpected error relaying an answer of %s", self._lease.replica)
+            self._abandon()
 
     def _end(self) -> None:
         """The answer is complete, or broke off after its head. The read that ended it is

@@ -143,7 +143,7 @@ class Pool:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
-            if conn.usable():
+            if not conn._lost and not conn.transport.is_closing():  # ``usable``, inline
                 return conn
         return None
 
@@ -202,8 +202,8 @@ class Answer:
     the connection so the engine learns nobody listens."""
 
     __slots__ = ("_at_chunk_end", "_chunks", "_conn", "_first_by", "_first_byte_s", "_idle_s",
-                 "_last", "_limit", "_queued", "_sink", "_waiter", "_watch", "_watch_due",
-                 "done", "error", "headers", "status")
+                 "_last", "_limit", "_on_end", "_queued", "_sink", "_waiter", "_watch",
+                 "_watch_due", "done", "error", "headers", "status")
 
     def __init__(self, conn: _Connection, first_byte_timeout_s: float,
                  idle_timeout_s: float | None):
@@ -221,6 +221,7 @@ class Answer:
         # Called instead of waking a waiter: see ``watch``.
         self._watch: Callable[[], None] | None = None
         self._watch_due = False
+        self._on_end: Callable[[], None] | None = None  # see ``start_relay``
         # The limit the connection's alarm runs for this answer: "first_byte", "idle", or
         # None for none.
         self._limit: str | None = None
@@ -358,7 +359,8 @@ class Answer:
         return data[data.index(b"\r\n\r\n") + 4:end]
 
     def start_relay(self, write: Callable[[bytes], object], on_first: Callable[[], None] | None,
-                    keep: Callable[[list[bytes]], None] | None, every: int) -> None:
+                    keep: Callable[[list[bytes]], None] | None, every: int,
+                    on_end: Callable[[], None] | None = None) -> None:
         """After ``relayable`` gave the body's first bytes (which the caller writes): each
         read from the engine goes to ``write`` as it came, from the connection's callback,
         head excepted, chunk framing and the body's end included. The reads are still
@@ -367,8 +369,9 @@ class Answer:
         first those that came with the head. ``on_first`` is called before the first
         read is written. As with a pipe, ``watch`` learns when the answer is complete or
         failed (for a caller that ``watch``es it); a failed one may have stopped in the
-        middle of a chunk (``at_chunk_end``). ``pause`` and ``resume`` are for when
-        ``write``'s reader lags behind."""
+        middle of a chunk (``at_chunk_end``). ``on_end``, if given, is called instead of
+        the watch when the answer came whole and its end was relayed, from the read that
+        ended it. ``pause`` and ``resume`` are for when ``write``'s reader lags behind."""
         conn = self._conn
         parts = list(self._chunks)
         self._chunks.clear()
@@ -378,6 +381,7 @@ class Answer:
         if self.done or self.error is not None:
             return  # came whole with the head
         conn._relay_keep, conn._relay_every, conn._relay_left = keep, every, every
+        self._on_end = on_end
         if on_first is None:
             conn.relay = write
         else:
@@ -458,7 +462,7 @@ class Answer:
         """Release the connection: back to the pool when the answer was read to its end,
         else dropped. Nothing of the answer is handed on, relayed or watched after this
         (its connection's ``finish`` takes back a sink or a relay of its own)."""
-        self._watch = self._sink = None
+        self._watch = self._sink = self._on_end = None
         self._disarm()
         self._conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
 
@@ -476,8 +480,10 @@ class Answer:
 
     def _arm_head(self) -> None:
         """The request was sent: its first byte is due within the first-byte limit."""
-        self._first_by = self._conn.loop.time() + self._first_byte_s
-        self._arm_at(self._first_by)
+        conn = self._conn
+        self._first_by = when = conn.loop.time() + self._first_byte_s
+        self._limit = "first_byte"  # ``_arm_at``, inline: once a request
+        conn.alarm(when, self._expired)
 
     def _arm_first(self) -> None:
         """Head in, none of the body yet: ring at the first-byte deadline, or sooner, after
@@ -929,7 +935,8 @@ class _Connection(asyncio.Protocol):
 
     def _relayed_last(self, relay: Callable[[bytes], object], data: bytes) -> None:
         """A relayed read that moved the answer on (it ended in it: the relay stopped as
-        it was parsed), written up to the answer's end, then its watch."""
+        it was parsed), written up to the answer's end, then its watch (or, for one that
+        came whole, its relay's ``on_end``)."""
         if self.relay is None:
             data = data[:self._end_in(data)]
         relay(data)
@@ -937,7 +944,16 @@ class _Connection(asyncio.Protocol):
         self._relay_left -= len(data)
         if self._relay_left < 0 and self.relay is not None:
             self._settle_relay()
-        self._run_due()
+        answer = self.answer
+        on_end = answer._on_end if answer is not None and answer.done else None
+        if on_end is None or answer.error is not None:
+            self._run_due()
+            return
+        self.due = answer._watch_due = False
+        try:
+            on_end()
+        except Exception:
+            log.exception("unexpected error at the end of a relayed answer")
 
     def _end_in(self, data: bytes) -> int:
         """Where the relayed answer that ended in ``data`` ends in it: at the empty line
