@@ -76,15 +76,16 @@ class CallbackRoutes(Protocol):
 
     callback_paths: frozenset[bytes]
 
-    def serve_now(self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytearray,
+    def serve_now(self, path: bytes, headers: dict[bytes, bytes], body: bytearray,
                   writer: BodyWriter, fall_back: Callable[[dict | None], None]) -> bool:
         """Serve the request through ``writer`` (``start``, ``sink``, ``finish``), from
         callbacks; False to have it served as any other, through the ASGI app, now. Once
         it said True, ``fall_back(extensions)`` still hands it to the app, with
         ``extensions`` (if any) added to its scope's, as long as nothing of the answer was
         written. ``fall_back`` holds the request's state (the writer holds it only
-        weakly): keep it until the answer is over. ``headers`` are as in a scope (names in
-        lower case); ``body`` is the server's own buffer: read, never changed."""
+        weakly): keep it until the answer is over. ``headers`` are by name, in lower case
+        (of a name sent more than once, the last); ``body`` is the server's own buffer:
+        read, never changed."""
 
 
 class BodyWriter:
@@ -453,15 +454,17 @@ class _Light:
     the app (BoundedHeadProtocol._to_app)."""
 
     __slots__ = ("__weakref__", "body", "chunked_encoding", "default_headers",
-                 "disconnected", "expected_content_length", "flow", "headers", "keep_alive",
-                 "more_body", "on_response", "path", "response_complete", "response_started",
-                 "transport", "waiting_for_100_continue", "writer")
+                 "disconnected", "expected_content_length", "fields", "flow", "headers",
+                 "keep_alive", "more_body", "on_response", "path", "response_complete",
+                 "response_started", "transport", "waiting_for_100_continue", "writer")
 
     message_event = _NoEvent()
 
-    def __init__(self, protocol: BoundedHeadProtocol, path: bytes, keep_alive: bool):
+    def __init__(self, protocol: BoundedHeadProtocol, path: bytes,
+                 fields: dict[bytes, bytes], keep_alive: bool):
         self.path = path
         self.headers = protocol.headers
+        self.fields = fields  # the headers by name, for serve_now
         self.transport = protocol.transport
         self.flow = protocol.flow
         self.default_headers = protocol.server_state.default_headers
@@ -593,7 +596,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         try:
             # The body as it was received (a bytearray): copied only for a request the
             # app's task serves.
-            taken = self.app.serve_now(light.path, light.headers, light.body, light.writer,
+            taken = self.app.serve_now(light.path, light.fields, light.body, light.writer,
                                        functools.partial(self._to_app, light))
         except Exception:
             # Where it failed is not known: the client is not answered twice.
@@ -671,7 +674,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._head_refused = _head_too_large()
             # Stops the parser; data_received answers through send_400_response below.
             raise httptools.HttpParserCallbackError("request head too large")
-        if b"expect" in dict(headers):  # looked for in C; every such line, then
+        fields = dict(headers)  # built in C; what serve_now is given
+        if b"expect" in fields:  # every such line, then
             self.expect_100_continue = any(
                 name == b"expect" and value.lower() == b"100-continue"
                 for name, value in headers)
@@ -683,7 +687,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 and not parser.should_upgrade()
                 and (cycle is None or cycle.response_complete)):
             # Held for the app's serve_now (CallbackRoutes) until its body is in.
-            light = self._deferred = _Light(self, url, parser.should_keep_alive()
+            light = self._deferred = _Light(self, url, fields, parser.should_keep_alive()
                                             and not self._last_request)
             self.cycle = light
             # An earlier request's scope (its BodyWriter holds this protocol) is not kept.

@@ -278,7 +278,7 @@ class GatewayFront:
 
     callback_paths = frozenset(_SERVED_NOW)
 
-    def serve_now(self, target: bytes, raw_headers: list[tuple[bytes, bytes]],
+    def serve_now(self, target: bytes, headers: dict[bytes, bytes],
                   body: bytearray, writer: BodyWriter,
                   fall_back: Callable[[dict | None], None]) -> bool:
         state = self.state
@@ -290,7 +290,6 @@ class GatewayFront:
             head = _parse(body, required)
         except ApiError:
             return False  # the task path answers it
-        headers = dict(raw_headers)
         if headers.get(b"content-type", b"")[:len(_FORM)].lower() == _FORM:
             return False
         record = None
