@@ -679,7 +679,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.expect_100_continue = any(
                 name == b"expect" and value.lower() == b"100-continue"
                 for name, value in headers)
-        self._stop_head_timer()
+        if self._head_timer is not None:  # ``_stop_head_timer``, inline
+            self._head_timer.cancel()
+            self._head_timer = None
         self._requests += 1
         url, parser, cycle = self.url, self.parser, self.cycle
         if (url in self._callback_paths and parser.get_method() == b"POST"
@@ -729,7 +731,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._earlier = tuple(w for w in self._earlier if not w.complete)
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        if self.flow.read_paused:
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)

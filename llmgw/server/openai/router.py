@@ -92,7 +92,8 @@ class Lease:
         pool = endpoint.pool
         if pool is not None:
             pool.total -= 1
-            pool.hand_off(endpoint)
+            if pool.waiters:  # else nobody to hand the slot to
+                pool.hand_off(endpoint)
 
     def __del__(self) -> None:
         # The safety net for a lease nobody released: a stream whose generator never

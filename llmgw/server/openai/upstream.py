@@ -463,8 +463,12 @@ class Answer:
         else dropped. Nothing of the answer is handed on, relayed or watched after this
         (its connection's ``finish`` takes back a sink or a relay of its own)."""
         self._watch = self._sink = self._on_end = None
-        self._disarm()
-        self._conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
+        conn = self._conn
+        if self._limit is not None:  # ``_disarm``, inline: once a request
+            self._limit = None
+            if conn.answer is self:
+                conn.alarm(0.0, None)
+        conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
 
     # --- timers ---------------------------------------------------------------------------
 
@@ -569,7 +573,10 @@ class Answer:
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.headers = headers
-        self._moved()
+        if self._waiter is None and self._watch is not None:  # ``_moved``, inline
+            self._watch_due = self._conn.due = True
+        else:
+            self._moved()
 
     def _unsink(self) -> None:
         """What comes of the body from here on is no longer handed to the sink, or relayed,
@@ -587,7 +594,10 @@ class Answer:
         self._queued += sum(map(len, parts))
         if self._queued > _HIGH_WATER:
             self._conn.pause()
-        self._moved()
+        if self._waiter is None and self._watch is not None:  # ``_moved``, inline
+            self._watch_due = self._conn.due = True
+        else:
+            self._moved()
 
     def _complete(self, in_read: bool = False) -> None:
         self.done = True
@@ -690,7 +700,8 @@ class _Connection(asyncio.Protocol):
         if reuse and self._keep_alive and not self._lost and not self.transport.is_closing():
             # Read whole, but reading may have been paused for a client that left or
             # lagged as the last chunk came: the next answer on it must be read.
-            self.resume()
+            if self.paused:
+                self.resume()
             self.pool._put_back(self)
         else:
             self.abort()
