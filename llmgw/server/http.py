@@ -198,22 +198,19 @@ class BodyWriter:
             raise RuntimeError("BodyWriter.start on a response already started")
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        parts = [STATUS_LINE[status]]
-        fields = (*cycle.default_headers, *headers)
-        if fields:  # each ``name: value``, joined in C, not a loop in Python
-            parts += (b"\r\n".join(map(_FIELD, fields)), b"\r\n")
+        # Each ``name: value``, joined in C, not a loop in Python.
+        fields = b"\r\n".join(map(_FIELD, (*cycle.default_headers, *headers)))
         if length is None:
             cycle.chunked_encoding = True
             cycle.expected_content_length = 0
-            parts.append(b"transfer-encoding: chunked\r\n")
+            framing = b"transfer-encoding: chunked\r\n"
         else:
             cycle.chunked_encoding = False
             cycle.expected_content_length = length
-            parts.append(b"content-length: %d\r\n" % length)
-        if not cycle.keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts += (b"\r\n", then)
-        cycle.transport.write(b"".join(parts))
+            framing = b"content-length: %d\r\n" % length
+        cycle.transport.write(b"".join((
+            STATUS_LINE[status], fields, b"\r\n" if fields else b"", framing,
+            b"" if cycle.keep_alive else b"connection: close\r\n", b"\r\n", then)))
 
     def finish(self, body: bytes = b"") -> None:
         """What ``send`` does with the last ``http.response.body``, at once: ``body`` (the

@@ -93,6 +93,7 @@ class _Known(msgspec.Struct, frozen=True):
     record: ApiKeyRecord
     owner_enabled: bool
     digest: bytes  # record.secret_hash, as _digest gives it
+    limited: bool  # record.limits.any, worked out once a read
 
     def judge(self, key: str, now: datetime | None) -> ApiKeyRecord | str:
         """``now`` None: the time is read only if the key can expire."""
@@ -110,7 +111,8 @@ class _Known(msgspec.Struct, frozen=True):
 
 
 def _known(record: ApiKeyRecord, owner_enabled: bool) -> _Known:
-    return _Known(record, owner_enabled, bytes.fromhex(record.secret_hash))
+    return _Known(record, owner_enabled, bytes.fromhex(record.secret_hash),
+                  record.limits.any)
 
 
 async def _lookup(store: Store, prefix: str) -> _Known | None:
@@ -179,10 +181,11 @@ class KeyCache:
         return _NOT_VALID if known is None else known.judge(key, now)
 
     def good_now(self, key: str) -> ApiKeyRecord | None:
-        """The key's record when it was read lately and is good, without waiting; None
-        when ``check`` must read it, or refuses it."""
+        """The key's record when it was read lately, is good and has no limits (nothing
+        to ask the store before its request goes on), without waiting; None when
+        ``check`` must read it, refuses it, or the store must admit its request."""
         known = self._fresh(key)
-        if known is None:
+        if known is None or known.limited:
             return None
         verdict = known.judge(key, None)
         return None if isinstance(verdict, str) else verdict
