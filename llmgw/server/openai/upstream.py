@@ -618,6 +618,15 @@ class _Unasked(Exception):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine, parsing its answers with httptools."""
 
+    # Slots, not a dict: over 30 attributes, an instance's dict would not share its keys,
+    # and every attribute read on the path of each relayed read would be a dict lookup.
+    __slots__ = ("_alarm", "_alarm_at", "_chunked", "_framed", "_head_read", "_headers",
+                 "_keep_alive", "_lost", "_parser", "_parts", "_probing", "_read",
+                 "_relay_every", "_relay_keep", "_relay_left", "_timer", "_timer_at",
+                 "_until_eof", "_upgraded", "address", "answer", "due", "got_nothing",
+                 "kernel_clock", "loop", "on_body", "paused", "pool", "relay", "sink",
+                 "transport")
+
     def __init__(self, pool: Pool, address: tuple[str, int]):
         self.pool = pool
         # The alarm: one timer kept across the connection's requests (see ``alarm``).
