@@ -688,6 +688,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # Held for the app's serve_now (CallbackRoutes) until its body is in.
             light = self._deferred = _Light(self, url, fields, parser.should_keep_alive()
                                             and not self._last_request)
+            # A trailer after a chunked body is not merged into the request's headers:
+            # serve_now and the app, if it is handed back, see the head's alone (RFC 9110
+            # 6.5.1; the task path reads its headers before the body, so none either).
+            self.headers = []
             self.cycle = light
             # An earlier request's scope (its BodyWriter holds this protocol) is not kept.
             self.scope = None

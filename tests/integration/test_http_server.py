@@ -842,6 +842,22 @@ async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_the
         assert running.server.server_state.total_requests == 11
 
 
+async def test_a_held_requests_trailer_is_not_taken_for_one_of_its_headers():
+    # A chunked body may end with trailer fields: neither serve_now nor the app it hands
+    # the request back to takes one for a header of the request (here the test header
+    # again, as an Authorization trailer could be).
+    running = _Running()
+    app = _NowOrAsgi(running)
+    running.server = make_server(app, running.sock)
+    request = (b"POST /now/back HTTP/1.1\r\nhost: x\r\nx-test: Held\r\n"
+               b"transfer-encoding: chunked\r\n\r\n2\r\nxy\r\n0\r\nx-test: Trailer\r\n\r\n")
+    async with running:
+        answers = await asyncio.to_thread(_pipelined, running.port, [request], 1)
+    seen = json.loads(answers[0].partition(b"\r\n\r\n")[2])
+    assert (seen["headers"]["x-test"], seen["back"], seen["body"]) == ("Held", "refused", 2)
+    assert app.now == ["/now/back"]  # serve_now took it (its x-test was the head's)
+
+
 def _pipelined(port: int, requests: list[bytes], answers: int) -> list[bytes]:
     """``requests`` sent in one write on one connection: its first ``answers`` answers."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
