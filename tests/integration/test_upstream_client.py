@@ -826,6 +826,25 @@ CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
            b"transfer-encoding: chunked\r\n\r\n")
 
 
+def _one_chunk_then(step: asyncio.Event, rest):
+    """An Engine handler: its first answer ``OK`` (for the pool's idle connection), each
+    later one chunked, its chunk ``one`` in a read of its own; once ``step`` is set (and
+    cleared), ``rest(reader, writer, n)`` writes the rest and says what the handler says."""
+
+    async def answers(reader, writer, n):
+        if n == 1:
+            writer.write(OK)
+            await writer.drain()
+            return None
+        writer.write(CHUNKED + b"3\r\none\r\n")
+        await writer.drain()
+        await step.wait()
+        step.clear()
+        return await rest(reader, writer, n)
+
+    return answers
+
+
 async def test_a_chunked_answer_is_relayed_read_by_read_as_the_engine_framed_it():
     # Framing no encoder of ours writes (sizes with leading zeros and in capitals, an
     # extension, a trailer), and reads that end mid size line, mid data and mid CRLF:
@@ -955,27 +974,15 @@ async def test_a_relayed_answer_that_breaks_off_says_whether_at_a_chunk_end(
     # A read that does not parse is not relayed, even if the answer ended in it.
     step = asyncio.Event()
 
-    async def answers(reader, writer, n):
-        if n == 1:
-            writer.write(OK)
-            await writer.drain()
-            return None
-        writer.write(CHUNKED + b"3\r\none\r\n")
-        await writer.drain()
-        await step.wait()  # a read of its own
-        if ends == "garbage":
-            writer.write(after)
-            await writer.drain()
-            await reader.read()
-            return False
+    async def rest(reader, writer, n):
         writer.write(after)
         await writer.drain()
-        if ends == "silent":
+        if ends in ("garbage", "silent"):
             await reader.read()  # until the client goes
         return False
 
     pool = Pool(connect_timeout_s=2)
-    async with Engine(answers) as engine:
+    async with Engine(_one_chunk_then(step, rest)) as engine:
         await _one_idle_connection(pool, engine.port)
         relay = await _relayed(pool, engine.port, idle_s=0.3)
         await _until(lambda: relay.early is not None, "the head")
@@ -1004,21 +1011,13 @@ async def test_a_relayed_answer_that_came_whole_ends_by_on_end_and_one_broken_by
     # answer that broke off goes to the watch, as without on_end.
     step = asyncio.Event()
 
-    async def answers(reader, writer, n):
-        if n == 1:
-            writer.write(OK)
-            await writer.drain()
-            return None
-        writer.write(CHUNKED + b"3\r\none\r\n")
-        await writer.drain()
-        await step.wait()  # a read of its own
-        step.clear()
+    async def rest(reader, writer, n):  # the second answer whole, the third broken off
         writer.write(b"3\r\ntwo\r\n0\r\n\r\n" if n == 2 else b"3\r\ntw")
         await writer.drain()
         return None if n == 2 else False
 
     pool = Pool(connect_timeout_s=2)
-    async with Engine(answers) as engine:
+    async with Engine(_one_chunk_then(step, rest)) as engine:
         await _one_idle_connection(pool, engine.port)
         whole = await _relayed(pool, engine.port, ended=True)
         await _until(lambda: whole.early is not None, "the head")
