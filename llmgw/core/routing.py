@@ -126,9 +126,9 @@ def two_choices(targets: Sequence[T], rng: random.Random,
     n = len(targets)
     if n >= 2:
         a, b = _draw_two(targets, rng)
-        if _eligible(a, exclude) and _eligible(b, exclude):
+        if is_eligible(a, exclude) and is_eligible(b, exclude):
             return _less_loaded(a, b)
-    eligible = [t for t in targets if _eligible(t, exclude)]
+    eligible = [t for t in targets if is_eligible(t, exclude)]
     if len(eligible) <= 1:
         return eligible[0] if eligible else None
     return _less_loaded(*_draw_two(eligible, rng))
@@ -170,7 +170,8 @@ def affinity_key(user: str | bytes | None, conversation: bytes,
     return None
 
 
-def _eligible(target: Target, exclude: Collection[str]) -> bool:
+def is_eligible(target: Target, exclude: Collection[str]) -> bool:
+    """The replica has a free slot and is not excluded."""
     return target.outstanding < target.slots and target.replica not in exclude
 
 

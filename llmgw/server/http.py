@@ -676,9 +676,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.expect_100_continue = any(
                 name == b"expect" and value.lower() == b"100-continue"
                 for name, value in headers)
-        if self._head_timer is not None:  # ``_stop_head_timer``, inline
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._stop_head_timer()
         self._requests += 1
         url, parser, cycle = self.url, self.parser, self.cycle
         if (url in self._callback_paths and parser.get_method() == b"POST"

@@ -257,8 +257,7 @@ class Exchange:
 
     def _first_bytes(self) -> None:
         self._relayed = True
-        if self._stream:  # ``first_bytes``, inline
-            self._metrics.first_byte(self._model, time.perf_counter() - self._began)
+        self.first_bytes()
 
     def _hand_back(self, refusal: str | None) -> None:
         """To the task path, which tries again (nothing was written)."""

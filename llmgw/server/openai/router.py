@@ -234,9 +234,7 @@ class Router:
         endpoints = pool.endpoints
         if len(endpoints) == 1:  # nothing to choose between: no draw, no ring
             endpoint = endpoints[0]
-            if endpoint.outstanding >= endpoint.slots or endpoint.replica in exclude:
-                return None
-            return pool.lease(endpoint)
+            return pool.lease(endpoint) if routing.is_eligible(endpoint, exclude) else None
         endpoint = routing.choose(endpoints, self._rng, ring=pool.ring, key=affinity_key,
                                   total=pool.total, epsilon=self.epsilon, exclude=exclude)
         return None if endpoint is None else pool.lease(endpoint)

@@ -143,7 +143,7 @@ class Pool:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
-            if not conn._lost and not conn.transport.is_closing():  # ``usable``, inline
+            if conn.usable():
                 return conn
         return None
 
@@ -463,12 +463,8 @@ class Answer:
         else dropped. Nothing of the answer is handed on, relayed or watched after this
         (its connection's ``finish`` takes back a sink or a relay of its own)."""
         self._watch = self._sink = self._on_end = None
-        conn = self._conn
-        if self._limit is not None:  # ``_disarm``, inline: once a request
-            self._limit = None
-            if conn.answer is self:
-                conn.alarm(0.0, None)
-        conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
+        self._disarm()
+        self._conn.finish(self, reuse=self.done and self.error is None and not self._chunks)
 
     # --- timers ---------------------------------------------------------------------------
 
@@ -484,10 +480,8 @@ class Answer:
 
     def _arm_head(self) -> None:
         """The request was sent: its first byte is due within the first-byte limit."""
-        conn = self._conn
-        self._first_by = when = conn.loop.time() + self._first_byte_s
-        self._limit = "first_byte"  # ``_arm_at``, inline: once a request
-        conn.alarm(when, self._expired)
+        self._first_by = self._conn.loop.time() + self._first_byte_s
+        self._arm_at(self._first_by)
 
     def _arm_first(self) -> None:
         """Head in, none of the body yet: ring at the first-byte deadline, or sooner, after
@@ -573,10 +567,7 @@ class Answer:
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status = status
         self.headers = headers
-        if self._waiter is None and self._watch is not None:  # ``_moved``, inline
-            self._watch_due = self._conn.due = True
-        else:
-            self._moved()
+        self._moved()
 
     def _unsink(self) -> None:
         """What comes of the body from here on is no longer handed to the sink, or relayed,
@@ -594,10 +585,7 @@ class Answer:
         self._queued += sum(map(len, parts))
         if self._queued > _HIGH_WATER:
             self._conn.pause()
-        if self._waiter is None and self._watch is not None:  # ``_moved``, inline
-            self._watch_due = self._conn.due = True
-        else:
-            self._moved()
+        self._moved()
 
     def _complete(self, in_read: bool = False) -> None:
         self.done = True
@@ -706,7 +694,7 @@ class _Connection(asyncio.Protocol):
         if self.relay is not None:
             self.stop_relay()
         self._read, self._head_read = b"", None  # not kept while idle
-        if reuse and self._keep_alive and not self._lost and not self.transport.is_closing():
+        if reuse and self._keep_alive and self.usable():
             # Read whole, but reading may have been paused for a client that left or
             # lagged as the last chunk came: the next answer on it must be read.
             if self.paused:
@@ -888,13 +876,10 @@ class _Connection(asyncio.Protocol):
         answer = self.answer
         if answer is None or not answer._watch_due:
             return
-        answer._watch_due = False  # ``Answer._run_watch``, inline: twice a request
-        watch = answer._watch
-        if watch is not None:
-            try:
-                watch()
-            except Exception:
-                log.exception("unexpected error in the watch of an answer")
+        try:
+            answer._run_watch()
+        except Exception:
+            log.exception("unexpected error in the watch of an answer")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
