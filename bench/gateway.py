@@ -636,6 +636,9 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
             notes.append("llmgw ran without API keys (--no-key)")
         idle = await idle_cpu(cluster)
         cells = await measure(cluster, args)
+        # Again once the load is over: the first reading may still hold the server's
+        # start (its first passes, the agent registering), this one what stays.
+        idle_after = await idle_cpu(cluster)
         gens = None
         if cluster.llama_url:
             gens = await measure_llama(cluster, args.llama_rounds, args.tokens)
@@ -647,8 +650,9 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
         for what, measured, within in verdicts(cells, args.concurrency, gens):
             mark = "[green]pass[/]" if within else "[red]FAIL[/]"
             console.print(f"  {mark}  {what}: {measured}")
-        notes.append("idle CPU, µs per second: " + ", ".join(
-            f"{t} {v:.0f}" for t, v in idle.items()))
+        notes.append("idle CPU, µs per second, just after start: " + ", ".join(
+            f"{t} {v:.0f}" for t, v in idle.items()) + "; after the load: " + ", ".join(
+            f"{t} {v:.0f}" for t, v in idle_after.items()))
         for key, cell in cells.items():
             # schedstat misses threads that exited during a round; stat counts them.
             if cell.gateway_stat_ns > cell.gateway_ns * 1.15 + 30e6:
