@@ -52,14 +52,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Where a request handed back to the task path carries the replica that refused it and why,
+# for its retries (a scope extension: ``CallbackRoutes.serve_now``'s ``fall_back``).
+REFUSED = "llmgw.refused"
+
 
 class Exchange:
     """One request sent to an engine, answered from callbacks until it is over; and the
     request's progress (``proxy.Progress``), for its metrics.
 
-    ``fall_back(refusal)`` hands the request back to the task path before anything was
-    written: ``refusal`` says why this replica did not take it (None: not its fault, a
-    kept-alive connection the engine had closed). Once the answer is over, however it
+    ``fall_back(extensions)`` (the server's: ``CallbackRoutes.serve_now``) hands the
+    request back to the task path before anything was written, with the replica that did
+    not take it and why under ``REFUSED``, or with no extensions when it was not the
+    replica's fault (a kept-alive connection the engine had closed), and the retry is
+    counted in ``metrics``. Once the answer is over, however it
     ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
     (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key ``key_id``),
     unless ``usage`` is None."""
@@ -70,7 +76,7 @@ class Exchange:
 
     def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
                  metrics: Metrics, model: str, kind: str, usage: UsageRecorder | None,
-                 key_id: int | None, fall_back: Callable[[str | None], None], *,
+                 key_id: int | None, fall_back: Callable[[dict | None], None], *,
                  stream: bool):
         self._answer = answer
         self._stream = stream  # the client asked for a stream
@@ -164,10 +170,11 @@ class Exchange:
             writer.release()
             return True
         self._relaying = True
-        on_first: Callable[[], None] | None = self._first_bytes
+        on_first: Callable[[], None] | None = None
         if answer.pending:
             self._first_bytes()
-            on_first = None
+        else:
+            on_first = self._first_bytes
         writer.start(200, headers, then=early)  # the first chunk, if it came, with the head
         write = writer.relay(b"", answer.pause, answer.resume)
         answer.start_relay(write, on_first, None if reader is None else reader.feed,
@@ -260,11 +267,16 @@ class Exchange:
         self.first_bytes()
 
     def _hand_back(self, refusal: str | None) -> None:
-        """To the task path, which tries again (nothing was written)."""
+        """To the task path, which tries again (nothing was written): on another replica
+        if ``refusal`` says why this one did not take the request."""
         self._over = True
         self._writer.on_disconnect(None)
         self._close_upstream()
-        self._fall_back(refusal)
+        if refusal is None:
+            self._fall_back(None)
+        else:
+            self._metrics.retry(self._model)
+            self._fall_back({REFUSED: (self._lease.replica, refusal)})
 
     def _end_with(self, err: ApiError) -> None:
         """Answer ``err``: nothing of the answer was written yet."""

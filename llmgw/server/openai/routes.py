@@ -22,7 +22,7 @@ from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
 from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
-from llmgw.server.openai.direct import Exchange
+from llmgw.server.openai.direct import REFUSED, Exchange
 from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
 from llmgw.server.openai.upstream import JSON_TYPE, request_bytes
@@ -228,9 +228,6 @@ REQUIRED_FIELD = {"/v1/chat/completions": "messages", "/v1/completions": "prompt
                   "/v1/embeddings": "input"}
 
 
-# Where a request handed back by ``serve_now`` carries the replica that refused it and why,
-# for the task path's retries (a scope extension).
-_REFUSED = "llmgw.refused"
 # The endpoints whose requests ``serve_now`` serves, as the server finds them in a request
 # line: each with its path, the field its body must have and its metrics' kind.
 _SERVED_NOW = {path.encode(): (path, field, endpoint_kind(path))
@@ -320,18 +317,9 @@ class GatewayFront:
         if answer is None:
             lease.release()
             return False
-        metrics = state.metrics
-
-        def hand_back(refusal: str | None) -> None:
-            if refusal is None:
-                fall_back(None)
-            else:
-                metrics.retry(model)
-                fall_back({_REFUSED: (lease.replica, refusal)})
-
         self.served_now += 1
-        Exchange(answer, lease, gateway, writer, metrics, model, kind,
-                 state.usage if record else None, record.id if record else None, hand_back,
+        Exchange(answer, lease, gateway, writer, state.metrics, model, kind,
+                 state.usage if record else None, record.id if record else None, fall_back,
                  stream=stream)
         return True
 
@@ -446,7 +434,7 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
         timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
         await _route(state, head, key, path, body, send, usage, seen, writer, content_type,
-                     extensions.get(_REFUSED) if extensions else None)
+                     extensions.get(REFUSED) if extensions else None)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
