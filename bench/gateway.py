@@ -523,16 +523,30 @@ def cpu_per(cell: Cell, stream: bool) -> float:
     return _us(cell.gateway_ns, cell.events if stream else cell.requests)
 
 
+def paired_ratios(cell: Cell, floor: Cell) -> list[float]:
+    """Each round's gateway CPU per request (or event) over the floor's in the same
+    round."""
+    return [(used / n) / (floor_used / floor_n)
+            for (used, n), (floor_used, floor_n) in zip(cell.rounds, floor.rounds, strict=True)
+            if n and floor_n and floor_used]
+
+
 def paired_ratio(cell: Cell, floor: Cell) -> float:
-    """The median over rounds of the gateway's CPU per request (or event) in a round over
-    the floor's in the same round. Each round runs the targets one after the other, so a
-    round that a busy machine slowed slows both: one slow round moves the median little,
-    where it moves the ratio of all rounds added up as much as its share of the time."""
-    ratios = [(used / n) / (floor_used / floor_n)
-              for (used, n), (floor_used, floor_n) in zip(cell.rounds, floor.rounds,
-                                                          strict=True)
-              if n and floor_n and floor_used]
+    """The median of ``paired_ratios``. Each round runs the targets one after the other,
+    so a round that a busy machine slowed slows both: one slow round moves the median
+    little, where it moves the ratio of all rounds added up as much as its share of the
+    time."""
+    ratios = paired_ratios(cell, floor)
     return statistics.median(ratios) if ratios else float("nan")
+
+
+def middle_half(ratios: list[float]) -> str:
+    """Where the middle half of the rounds' ratios lie (their quartiles): how far one run's
+    median may be trusted on this machine."""
+    if len(ratios) < 4:
+        return "too few rounds for a spread"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"the middle half of the rounds {low:.2f}-{high:.2f}"
 
 
 def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
@@ -604,7 +618,8 @@ def verdicts(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int],
             out.append((f"  the same against this run's floor: <= {ratio:.2f} x floor "
                         f"({limit:g} / the issue's floor of {ISSUE_FLOOR_US[unit]:g} µs)",
                         f"{paired:.2f} x floor, the median of {len(cell.rounds)} rounds "
-                        f"(all rounds together {cpu / floor_cpu:.2f} x)", paired <= ratio))
+                        f"({middle_half(paired_ratios(cell, floor))}; all rounds together "
+                        f"{cpu / floor_cpu:.2f} x)", paired <= ratio))
     if 1 in concurrency:
         for stream, limit, what in ((False, ADDED_P50_MS, "added p50 latency"),
                                     (True, ADDED_TTFT_MS, "added time to first token")):
