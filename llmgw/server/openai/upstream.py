@@ -608,8 +608,8 @@ class _Connection(asyncio.Protocol):
 
     # Slots, not a dict: over 30 attributes, an instance's dict would not share its keys,
     # and every attribute read on the path of each relayed read would be a dict lookup.
-    __slots__ = ("_alarm", "_alarm_at", "_chunked", "_feed", "_framed", "_head_read",
-                 "_headers", "_keep_alive", "_lost", "_parser", "_parts", "_probing", "_read",
+    __slots__ = ("_alarm", "_alarm_at", "_chunked", "_framed", "_head_read", "_headers",
+                 "_keep_alive", "_lost", "_parser", "_parts", "_probing", "_read",
                  "_relay_every", "_relay_keep", "_relay_left", "_timer", "_timer_at",
                  "_until_eof", "_upgraded", "address", "answer", "due", "got_nothing",
                  "kernel_clock", "loop", "on_body", "paused", "pool", "relay", "sink",
@@ -647,7 +647,6 @@ class _Connection(asyncio.Protocol):
         self._read = b""
         self._head_read: bytes | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self._feed = self._parser.feed_data  # once: it runs for every read
         self._lost = False
         self.paused = False
         self.loop = asyncio.get_running_loop()
@@ -780,27 +779,25 @@ class _Connection(asyncio.Protocol):
         if relay is not None:
             # A relayed stream: parsed for its end and its parts (into ``_parts``, for
             # ``_relay_keep``), written on as it came. The read that ends it stops the
-            # relay as it is parsed and is still written here. (The common case returns
-            # from inside the ``try``, which then costs no jump past its handler; nothing
-            # in it but the parse raises a parser error.)
+            # relay as it is parsed and is still written here.
             try:
-                self._feed(data)
-                if not self.due:
-                    relay(data)
-                    self._read = data
-                    left = self._relay_left - len(data)
-                    self._relay_left = left
-                    if left < 0:
-                        self._settle_relay()
-                    return
+                self._parser.feed_data(data)
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
                 self._unparsable(err, relaying=True)
                 return
-            self._relayed_last(relay, data)
+            if self.due:
+                self._relayed_last(relay, data)
+                return
+            relay(data)
+            self._read = data
+            left = self._relay_left - len(data)
+            self._relay_left = left
+            if left < 0:
+                self._settle_relay()
             return
         self._read = data
         try:
-            self._feed(data)
+            self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as err:
             self._unparsable(err)
             return
