@@ -545,7 +545,7 @@ def middle_half(ratios: list[float]) -> str:
     median may be trusted on this machine."""
     if len(ratios) < 4:
         return "too few rounds for a spread"
-    low, _, high = statistics.quantiles(ratios, n=4)
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
     return f"the middle half of the rounds {low:.2f}-{high:.2f}"
 
 

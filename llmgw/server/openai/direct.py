@@ -63,9 +63,9 @@ class Exchange:
 
     ``fall_back(extensions)`` (the server's: ``CallbackRoutes.serve_now``) hands the
     request back to the task path before anything was written, with the replica that did
-    not take it and why under ``REFUSED``, or with no extensions when it was not the
-    replica's fault (a kept-alive connection the engine had closed), and the retry is
-    counted in ``metrics``. Once the answer is over, however it
+    not take it and why under ``REFUSED`` (a retry, counted in ``metrics``), or with no
+    extensions when it was not the replica's fault (a kept-alive connection the engine
+    had closed). Once the answer is over, however it
     ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
     (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key ``key_id``),
     unless ``usage`` is None."""
