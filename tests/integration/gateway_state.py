@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 
 import msgspec
+import uvicorn
 
 from llmgw.config import Gateway, Listen, Model
 from llmgw.core.catalog import catalog_from_config
@@ -84,22 +85,33 @@ async def gateway_in_process(model: str, engine, gateway: Gateway | None = None
 
 
 @contextlib.asynccontextmanager
-async def gateway_front_in_process(model: str, engine, gateway: Gateway | None = None
+async def gateway_front_in_process(model: str, engine, gateway: Gateway | None = None,
+                                   *, plain_uvicorn: bool = False
                                    ) -> AsyncIterator[SimpleNamespace]:
     """``gateway_in_process``, yielding the app and the server too: ``port``, ``front``
-    (the GatewayFront) and ``server``."""
+    (the GatewayFront) and ``server``. With ``plain_uvicorn``, on uvicorn's own protocol
+    instead of llmgw's server: an ASGI server that offers no BodyWriter and serves nothing
+    from callbacks."""
     engine_server = await asyncio.start_server(engine, "127.0.0.1", 0)
     router = Router(rng=random.Random(1))
     router.update({model: [("r0", "127.0.0.1", engine_server.sockets[0].getsockname()[1])]})
     pool = upstream_pool(gateway or Gateway())
     sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
     app = routes.gateway_first(lifespan_only, gateway_state(model, router, pool, gateway))
-    server = make_server(app, sock)
+    if plain_uvicorn:
+        server = uvicorn.Server(uvicorn.Config(app, loop="none", http="httptools",
+                                               lifespan="on", log_config=None,
+                                               access_log=False))
+    else:
+        server = make_server(app, sock)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         yield SimpleNamespace(port=sock.getsockname()[1], front=app, server=server)
     finally:
-        server.stop()
+        if plain_uvicorn:
+            server.should_exit = True
+        else:
+            server.stop()
         await asyncio.wait_for(serving, 15)
         await pool.close()
         engine_server.close()

@@ -664,6 +664,38 @@ async def test_a_bug_while_a_stream_is_relayed_ends_it_with_an_internal_error(mo
 
 
 @pytest.mark.parametrize("where", ["between events", "inside an event"])
+async def test_under_another_asgi_server_a_broken_stream_is_ended_only_between_events(where):
+    # Under an ASGI server that offers no BodyWriter (uvicorn's own protocol), the routes
+    # send each chunk through ``send``. Broken off inside an event, the stream is left
+    # unended, for the server to close the connection: an error event of llmgw's would be
+    # read as part of the broken one (until 1 December 2026 it was appended all the same).
+    sent = EVENT + (b"" if where == "between events" else b'data: {"choi')
+
+    async def lengthed_then_gone(reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"content-length: 4096\r\n\r\n" + sent)
+        return False  # and the engine closes the connection
+
+    async with gateway_front_in_process(MODEL, engine_answering(Script(lengthed_then_gone)),
+                                        plain_uvicorn=True) as running:
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+        writer.write(_raw_post(BODY).replace(b"host: x\r\n",
+                                             b"host: x\r\nconnection: close\r\n"))
+        answer = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and running.front.served_now == 0
+        if where == "between events":
+            events = _dechunked(body)
+            assert events.startswith(EVENT), events
+            error = json.loads(events[len(EVENT) + 6:])["error"]
+            assert error["code"] == "upstream_error", error
+        else:
+            assert body == _chunked(sent)  # unended: no last chunk, no event of ours
+        await _until_free(running.front)
+
+
+@pytest.mark.parametrize("where", ["between events", "inside an event"])
 @pytest.mark.parametrize("ends", ["silent", "gone"])
 async def test_a_piped_stream_that_breaks_off_is_ended_only_between_events(where, ends,
                                                                           caplog):

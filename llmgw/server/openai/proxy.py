@@ -235,17 +235,23 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                 ) -> None:
     tail = b""
     reader = StreamUsage() if usage is not None else None
+    sent = _Sent()
     try:
         try:
             if writer is not None:
                 await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
                                                 reader))
             else:
-                await _copy(upstream, send, progress, reader)
+                await _copy(upstream, send, progress, reader, sent)
         except UpstreamError as err:
             tail = broken_stream(err, replica, gateway)
-            if writer is not None and not ends_an_event(writer.last_part):
-                writer.cut()  # as a relayed stream's (direct.Exchange._end_relay)
+            if not ends_an_event(writer.last_part if writer is not None else sent.last):
+                # Inside an event, an event of llmgw's would be read as part of it: the
+                # body is left unended, and the client sees the stream break.
+                if writer is not None:
+                    writer.cut()  # as a relayed stream's (direct.Exchange._end_relay)
+                # Else the server closes the connection of a response its app left
+                # unended (ASGI), which is all an app under another server can do.
                 return
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
@@ -264,8 +270,17 @@ def _silence(replica: str, err: UpstreamTimeout, gateway: Gateway, what: str) ->
             f"{what} (gateway.idle_timeout_s)")
 
 
+class _Sent:
+    """What ``_copy`` sent last, for ending a stream that broke off as it stood."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = b""
+
+
 async def _copy(upstream: Answer, send: Send, progress: Progress,
-                reader: StreamUsage | None) -> None:
+                reader: StreamUsage | None, sent: _Sent) -> None:
     """The stream chunk by chunk through ``send``, for a server that offers no writer."""
     chunk = await upstream.chunk()
     if chunk:
@@ -274,4 +289,5 @@ async def _copy(upstream: Answer, send: Send, progress: Progress,
         if reader is not None:
             reader.feed([chunk])
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        sent.last = chunk
         chunk = await upstream.chunk()
