@@ -131,6 +131,14 @@ class BodyWriter:
         return self._last
 
     @property
+    def connection_memo(self) -> dict:
+        """A dict that lives as long as the client's connection, for what an app would
+        rather work out once a connection than once a request (keyed by names of its
+        own); a new one, kept nowhere, once the connection is gone."""
+        protocol = self._protocol
+        return {} if protocol is None else protocol.memo
+
+    @property
     def disconnected(self) -> bool:
         """The client's connection was lost before the response was complete."""
         cycle = self._cycle()
@@ -523,6 +531,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.memo: dict = {}  # BodyWriter.connection_memo
         self._callback_paths = getattr(self.app, "callback_paths", frozenset())
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 

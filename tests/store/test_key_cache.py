@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 
 from sqlalchemy import text
 
-from llmgw.server.auth import KeyCache, create_api_key
-from llmgw.server.auth.keys import _checksum, key_id, new_api_key
+from llmgw.server.auth import KeyCache, create_api_key, keys
+from llmgw.server.auth.keys import _CRC_LEN, _checksum, key_id, new_api_key
 from llmgw.store import AccountRecord, ApiKeyRecord, Store
 from llmgw.store import store as store_module
 
@@ -226,3 +226,38 @@ async def test_find_api_keys_reads_many_keys_and_whether_their_owners_let_them(s
     assert {record.prefix: record for record, _ in found}[made["admins"].prefix] == (
         await store.find_api_key(made["admins"].prefix))
     assert await store.find_api_keys([]) == []
+
+
+async def test_a_connection_that_keeps_sending_its_key_has_it_hashed_once(store, monkeypatch):
+    # With a connection's memo, a key read lately is hashed once for as long as the
+    # connection keeps sending it. Another key on the same connection (a proxy's, carrying
+    # several clients' requests) is hashed and judged on its own; a forged one with a real
+    # key's id is refused; the memo never stands in for what the store said of the key.
+    key, record = await create_api_key(store, "kept-alive")
+    other, other_record = await create_api_key(store, "another client")
+    cache = KeyCache(store, ttl_s=5.0, clock=Clock())
+    assert await cache.check(key, NOW) == record
+    assert await cache.check(other, NOW) == other_record
+    hashed: list[str] = []
+    digest = keys._digest
+    monkeypatch.setattr(keys, "_digest", lambda k: hashed.append(k) or digest(k))
+    memo: dict = {}
+
+    assert [cache.good_now(key, memo) for _ in range(5)] == [record] * 5
+    assert hashed == [key]
+    assert cache.good_now(other, memo) == other_record
+    assert cache.good_now(key, memo) == record
+    assert hashed == [key, other, key]
+
+    body = key[:-_CRC_LEN]
+    secret = body[len(body) - 1] + body[:-1]  # the same id, another secret
+    forged = body[:-32] + secret[-32:]
+    forged += _checksum(forged)
+    assert key_id(forged) == key_id(key) and forged != key
+    assert cache.good_now(forged, memo) is None
+    assert cache.good_now(key, memo) == record  # the forged one took the memo's place
+
+    await store.revoke_api_key(key_id(key), NOW)
+    cache.forget(key_id(key))
+    assert await cache.check(key, NOW) == "the API key has been revoked"
+    assert cache.good_now(key, memo) is None

@@ -296,7 +296,8 @@ class GatewayFront:
             # more), a key not read lately, refused or limited: the task path says which.
             if authorization[:7] != b"Bearer ":
                 return False
-            record = state.api_keys.good_now(authorization[7:].decode("latin-1"))
+            record = state.api_keys.good_now(authorization[7:].decode("latin-1"),
+                                             writer.connection_memo)
             if record is None:
                 return False
         model = head.model
