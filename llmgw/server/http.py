@@ -613,6 +613,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._to_app(light)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # Not kept for the cyclic collector to find: it may hold a client's API key.
+        self.memo.clear()
         if self._deferred is not None:  # its body never came whole: nobody serves it
             self._deferred.on_response = _nothing
             self._deferred = None

@@ -739,13 +739,15 @@ class _NowOrAsgi:
     /now/stream as a chunked answer of the body's words, /now/whole as one answer with a
     length, /now/back handed to the ASGI app after a moment with an extension (as the
     gateway hands back a request an engine refused); anything else through ASGI: /now/*
-    answered with what its scope and body were, the rest by ``_echo``."""
+    answered with what its scope and body were, the rest by ``_echo``. Each /now/whole
+    counts itself in its connection's memo (``memos``: the memo each saw)."""
 
     callback_paths = frozenset({b"/now/stream", b"/now/whole", b"/now/back", b"/now/other"})
 
     def __init__(self, running: _Running):
         self.running = running
         self.now: list[str] = []  # paths serve_now served
+        self.memos: list[dict] = []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/now/"):
@@ -796,11 +798,33 @@ class _NowOrAsgi:
             return True
         if path == "/now/whole":
             self.now.append(path)
+            memo = writer.connection_memo
+            memo["requests"] = memo.get("requests", 0) + 1
+            self.memos.append(memo)
             writer.start(201, [(b"content-type", b"text/plain")], len(body))
             writer.finish(body)
             writer.served()
             return True
         return False
+
+
+async def test_a_connection_memo_lasts_as_long_as_its_connection():
+    # What an app keeps per connection (the gateway: an API key's digest) is shared by the
+    # connection's requests only, and let go of when it closes, not when the cyclic
+    # collector gets to the connection.
+    running = _Running()
+    app = _NowOrAsgi(running)
+    running.server = make_server(app, running.sock)
+    async with running:
+        for _ in range(2):  # two connections, two requests on each
+            async with aiohttp.ClientSession(headers={"X-Test": "Held"}) as http:
+                for _ in range(2):
+                    async with http.post(f"http://127.0.0.1:{running.port}/now/whole",
+                                         data=b"x") as resp:
+                        assert resp.status == 201
+        first, again, second, its_again = app.memos
+        assert first is again and second is its_again and first is not second
+        await _until(lambda: first == {} and second == {}, "both memos emptied")
 
 
 async def test_requests_an_app_serves_from_callbacks_are_held_for_their_body_then_served():

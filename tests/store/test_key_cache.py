@@ -256,6 +256,7 @@ async def test_a_connection_that_keeps_sending_its_key_has_it_hashed_once(store,
     assert key_id(forged) == key_id(key) and forged != key
     assert cache.good_now(forged, memo) is None
     assert cache.good_now(key, memo) == record  # the forged one took the memo's place
+    assert hashed == [key, other, key, forged, key]
 
     await store.revoke_api_key(key_id(key), NOW)
     cache.forget(key_id(key))

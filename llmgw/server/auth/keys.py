@@ -121,7 +121,9 @@ class _Known(msgspec.Struct, frozen=True):
         """``now`` None: the time is read only if the key can expire; ``digest``, the key's
         ``_digest`` if the caller has it."""
         record = self.record
-        if not hmac.compare_digest(self.digest, digest or _digest(key)):
+        if digest is None:
+            digest = _digest(key)
+        if not hmac.compare_digest(self.digest, digest):
             return _NOT_VALID
         if record.revoked_at is not None:
             return "the API key has been revoked"
