@@ -40,6 +40,7 @@ from llmgw.store.records import StoreError, UsageEntry, UsageRecord
 from llmgw.store.tables import UsageDayRow, UsageWindowRow
 
 _WINDOW_KEY = [UsageWindowRow.key_id, UsageWindowRow.period, UsageWindowRow.start]
+_DAY_KEY = [UsageDayRow.key_id, UsageDayRow.day, UsageDayRow.model]
 _MAX_TOKENS = 2**53
 
 
@@ -150,12 +151,13 @@ class UsageMixin:
         list of rows each (executemany): compiled once, not per call and row count.
 
         Of the tables, not of their ORM classes: an ORM-enabled insert run with a list of
-        rows goes through the ORM's bulk-insert machinery first, which cost a third of a
-        flush's CPU (bench/usage_flush.py); the SQL is the same."""
+        rows goes through the ORM's bulk-insert machinery first, a third of a one-key
+        flush's Python calls (1,388 against 946, counted with cProfile on uvloop); the SQL
+        is the same."""
         day = UsageDayRow.__table__.c
         days = self._insert(UsageDayRow.__table__)
         days = days.on_conflict_do_update(
-            index_elements=[day.key_id, day.day, day.model],
+            index_elements=_DAY_KEY,
             set_={
                 "requests": day.requests + days.excluded.requests,
                 "prompt_tokens": day.prompt_tokens + days.excluded.prompt_tokens,
@@ -165,7 +167,7 @@ class UsageMixin:
         window = UsageWindowRow.__table__.c
         windows = self._insert(UsageWindowRow.__table__)
         windows = windows.on_conflict_do_update(
-            index_elements=[window.key_id, window.period, window.start],
+            index_elements=_WINDOW_KEY,
             set_={"tokens": window.tokens + windows.excluded.tokens},
         )
         return days, windows
