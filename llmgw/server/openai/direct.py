@@ -65,10 +65,9 @@ class Exchange:
     request back to the task path before anything was written, with the replica that did
     not take it and why under ``REFUSED`` (a retry, counted in ``metrics``), or with no
     extensions when it was not the replica's fault (a kept-alive connection the engine
-    had closed). Once the answer is over, however it
-    ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
-    (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key ``key_id``),
-    unless ``usage`` is None."""
+    had closed). Once the answer is over, however it ended, it is counted in ``metrics``
+    as a request for ``model`` of ``kind`` (``metrics.endpoint_kind``), and what it used
+    (``usage.add``, for the key ``key_id``), unless ``usage`` is None."""
 
     __slots__ = ("_answer", "_began", "_fall_back", "_gateway", "_kept", "_key_id", "_kind",
                  "_lease", "_metrics", "_model", "_over", "_reader", "_relayed", "_relaying",
