@@ -496,10 +496,10 @@ async def measure_llama(cluster: Cluster, rounds: int, tokens: int
                 except (aiohttp.ClientError, TimeoutError):
                     continue
                 if status == 200 and first is not None:
-                    gen = out[target]
-                    gen.rates.append(events / took)
+                    gen, rate = out[target], events / took
+                    gen.rates.append(rate)
                     gen.firsts.append(first)
-                    gen.by_round[r] = events / took
+                    gen.by_round[r] = rate
     return out
 
 
@@ -649,7 +649,7 @@ def verdicts(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int],
         apart = gens["llmgw"].rate / gens["direct"].rate
         out.append((f"llama-server tokens/s through llmgw: >= {TOKENS_RATIO:g} of direct",
                     f"{paired:.3f}, the median of {len(ratios)} rounds "
-                    f"({middle_half(ratios, 3)}; the medians of each target apart "
+                    f"({middle_half(ratios, 3)}; the ratio of the two targets' medians "
                     f"{apart:.3f})", paired >= TOKENS_RATIO))
     return out
 
