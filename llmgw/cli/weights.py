@@ -16,7 +16,6 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from llmgw.agent.weights import WeightsError, WeightsStore, read_manifest, write_manifest
 from llmgw.config import AgentConfig, ConfigError, load
 from llmgw.core.weights import SourceError, parse_source
 
@@ -62,6 +61,10 @@ def add_parser(sub) -> None:
 
 
 def _manifest(args: argparse.Namespace) -> int:
+    # Imported here, as in each command: every `llmgw` command builds this parser, and
+    # the agent's weights code brings aiohttp and pyroute2 (0.3 s of CPU to import).
+    from llmgw.agent.weights import WeightsError, read_manifest, write_manifest
+
     if args.source:
         try:
             parse_source(args.source)
@@ -86,6 +89,8 @@ def _manifest(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from llmgw.agent.weights import WeightsError, WeightsStore
+
     try:
         config = load(args.config, AgentConfig)
         store = WeightsStore.from_config(config.weights)

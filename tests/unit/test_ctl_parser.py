@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from llmgw.cli.main import parser
@@ -29,3 +32,15 @@ def test_a_command_under_a_group_still_needs_its_arguments(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["ctl", "nodes", "drain"])
     assert "node" in capsys.readouterr().err
+
+
+def test_the_command_line_is_built_without_the_agents_or_the_servers_libraries():
+    # Every `llmgw` command builds the whole parser first, and `llmgw ctl` runs in an
+    # operator's shell: the agent's weights code once brought aiohttp and pyroute2 with
+    # it, 0.4 s of CPU before any command ran. A command that needs them imports them.
+    heavy = ("aiohttp", "pyroute2", "sqlalchemy", "litestar")
+    code = ("import sys; from llmgw.cli.main import parser; parser(); "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
