@@ -7,7 +7,6 @@ import asyncio
 import logging
 import sys
 
-from llmgw import __version__
 from llmgw.cli import agent_join, doctor, engine_check, server_init
 from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import store as store_commands
@@ -81,12 +80,26 @@ def _up(args: argparse.Namespace) -> int:
     return up(args)
 
 
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for (``llmgw.__version__``)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **_: object) -> None:
+        super().__init__(option_strings, dest, nargs=0,
+                         help="show llmgw's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from llmgw import __version__
+
+        print(f"llmgw {__version__}")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="llmgw",
         description="A self-hosted LLM cluster behind one OpenAI-compatible API.",
     )
-    top.add_argument("--version", action="version", version=f"llmgw {__version__}")
+    top.add_argument("--version", action=_Version)
     sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("server", help="run the control plane and gateway",
