@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
 
 def _manifest(args: argparse.Namespace) -> int:
     # Imported here, as in each command: every `llmgw` command builds this parser, and
-    # the agent's weights code brings aiohttp and pyroute2 (0.3 s of CPU to import).
+    # the agent's weights code brings aiohttp and pyroute2 (0.4 s of CPU to import).
     from llmgw.agent.weights import WeightsError, read_manifest, write_manifest
 
     if args.source:
