@@ -12,7 +12,7 @@ from llmgw.config import ConfigError, ServerConfig
 from llmgw.core.catalog import Catalog, catalog_from_config
 from llmgw.core.names import is_loopback_host
 from llmgw.server.admin.models import sync_declared
-from llmgw.server.agents.mtls import AgentListener, LiveStreams
+from llmgw.server.agents.live import LiveStreams
 from llmgw.server.app import build
 from llmgw.server.auth import load_or_create_admin_token
 from llmgw.server.http import make_server
@@ -70,7 +70,12 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         # POST /api/nodes/NAME/revoke closes the node's live mTLS streams at once.
         server.app.state.on_revoked.append(live.on_revoked)
         tls = config.tls
-        agents = AgentListener(tls, server.controller, store, live) if tls else None
+        agents = None
+        if tls:
+            # Only here: the listener brings aiohttp, which nothing else in a server needs.
+            from llmgw.server.agents.mtls import AgentListener
+
+            agents = AgentListener(tls, server.controller, store, live)
         # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
         sock, where = listening_socket(config.listen)
         # /v1 and the admin API over TLS with the server's certificate; no client certificate.

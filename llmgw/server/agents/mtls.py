@@ -16,9 +16,10 @@ order, and refused at the first failure with a log line that says why:
 
 Then the session runs as on the plain route (``protocol.serve_agent``) with the
 certificate's node as its identity. Live streams are kept by node and serial in
-``LiveStreams``: revoking a node closes them at once on this server, and a watcher polls
-the store's revocations, so a revocation made on another server sharing the store closes
-them within ``_WATCH_S`` too, as does a certificate that expires while connected.
+``live.LiveStreams``: revoking a node closes them at once on this server, and a watcher
+polls the store's revocations, so a revocation made on another server sharing the store
+closes them within ``live.WATCH_S`` too, as does a certificate that expires while
+connected.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +39,8 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki, wire
 from llmgw.config import ConfigError
-from llmgw.server.agents.protocol import CLOSE_UNAUTHORIZED, Identity, StreamClosed, serve_agent
+from llmgw.server.agents.live import LiveStreams
+from llmgw.server.agents.protocol import Identity, StreamClosed, serve_agent
 from llmgw.store import StoreError
 from llmgw.store.pki import NodeCertRecord
 
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAM_PATH = "/agent/v1/stream"
-_WATCH_S = 2.0  # how often live streams are checked against the store's revocations
 _RENEW_EVERY_S = 60.0  # at most one renewal per node this often: a loop cannot flood the store
 _MAX_FRAME = 16 * 2**20  # a Register carries the whole inventory
 
@@ -119,87 +118,6 @@ def _read(path: str, key: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as err:
         raise TlsSetupError(f"{key} {path}: cannot read: {err.strerror}") from None
-
-
-# --- live streams --------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Live:
-    identity: Identity
-    socket: AiohttpSocket
-
-
-@dataclass
-class LiveStreams:
-    """The mTLS streams open on this server, by node and certificate serial: what a
-    revocation must close. The revoke endpoint calls ``on_revoked``."""
-
-    _live: set[_Live] = field(default_factory=set)
-
-    def add(self, identity: Identity, socket: AiohttpSocket) -> _Live:
-        entry = _Live(identity, socket)
-        self._live.add(entry)
-        return entry
-
-    def discard(self, entry: _Live) -> None:
-        self._live.discard(entry)
-
-    def nodes(self) -> dict[str, list[int]]:
-        """Each connected node's certificate serials (more than one while a newer stream
-        replaces an older one)."""
-        found: dict[str, list[int]] = {}
-        for entry in self._live:
-            found.setdefault(entry.identity.node, []).append(entry.identity.serial)
-        return found
-
-    async def _close(self, entries: list[_Live], reason: str) -> int:
-        for entry in entries:
-            log.warning("closing the agent stream of %s (certificate serial %x): %s",
-                        entry.identity.node, entry.identity.serial, reason)
-        await asyncio.gather(*(e.socket.close(CLOSE_UNAUTHORIZED, reason) for e in entries),
-                             return_exceptions=True)
-        return len(entries)
-
-    async def close_node(self, node: str, reason: str) -> int:
-        """Close every live stream of ``node``; returns how many were closed."""
-        return await self._close([e for e in self._live if e.identity.node == node], reason)
-
-    async def close_serials(self, serials: Iterable[int | str], reason: str) -> int:
-        """Close the live streams whose certificate has one of ``serials`` (int, or the
-        store's decimal text); returns how many were closed."""
-        wanted = {int(s) for s in serials}
-        return await self._close([e for e in self._live if e.identity.serial in wanted], reason)
-
-    async def on_revoked(self, node: str, serials: list[str]) -> int:
-        """The revoke endpoint's callback (``app.state.on_revoked``): every certificate of
-        the node that had not expired was revoked, so each of its streams goes."""
-        return await self.close_node(node, "its certificate was revoked")
-
-    async def close_all(self, reason: str) -> int:
-        return await self._close(list(self._live), reason)
-
-    async def watch(self, store: Store, every_s: float = _WATCH_S) -> None:
-        """Close live streams whose certificate was revoked (by any server sharing the
-        store) or has expired, every ``every_s``; runs until cancelled."""
-        while True:
-            await asyncio.sleep(every_s)
-            if not self._live:
-                continue
-            now = datetime.now(UTC)
-            expired = [e for e in self._live if e.identity.not_after <= now]
-            if expired:
-                await self._close(expired, "its certificate expired; the agent renews it "
-                                  "before that, so check the agent's log")
-            try:
-                revoked = await store.revoked_serials(now)
-            except StoreError as err:
-                log.warning("cannot read revoked certificates from the store: %s", err)
-                continue
-            live = {e.identity.serial for e in self._live}
-            hit = live & {int(s) for s in revoked}
-            if hit:
-                await self.close_serials(hit, "its certificate was revoked")
 
 
 class AiohttpSocket:
