@@ -6,8 +6,10 @@ minutes instead: the commit's tree (checked out with ``git worktree`` into a tem
 directory) and the working tree each get their own cluster from ``bench.gateway`` (server,
 agent, fake engine; an API key without limits), then the same load goes to one and the
 other in turn, the order swapped each round. Per round it reads each server's CPU per
-request (or per streamed event) and prints the medians and the median of the per-round
-ratios, working tree over commit. Running a commit against itself shows the noise.
+request (or per streamed event) and the p50 time to the first event (or to the whole
+answer), and prints the medians, the median of the per-round CPU ratios, working tree
+over commit, and of the per-round latency differences. Running a commit against itself
+shows the noise.
 
     .venv/bin/python -m bench.gateway_ab HEAD~3 --mode plain --concurrency 16 --rounds 12
 
@@ -83,6 +85,8 @@ async def run(args: argparse.Namespace) -> None:
             clusters[args.rev] = await cluster_at(tree)
             clusters["working tree"] = await cluster_at(None)
             per: dict[str, list[float]] = {name: [] for name in clusters}
+            # Each round's p50 time to the first event (a stream) or to the whole answer.
+            waits: dict[str, list[float]] = {name: [] for name in clusters}
             data = body(FAKE_MODEL, stream)
             sessions = {name: aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), headers=c.llmgw_headers,
@@ -100,6 +104,9 @@ async def run(args: argparse.Namespace) -> None:
                                         64, cell, c.gateways()["llmgw"])
                         unit = cell.events if stream else cell.requests
                         per[name].append(cell.gateway_ns / 1e3 / max(unit, 1))
+                        times = cell.firsts if stream else cell.latencies
+                        waits[name].append(statistics.median(times) * 1e3 if times
+                                           else float("nan"))
             finally:
                 for session in sessions.values():
                     await session.close()
@@ -108,16 +115,23 @@ async def run(args: argparse.Namespace) -> None:
                 c.stop()
     old, new = per[args.rev], per["working tree"]
     ratios = [n / o for o, n in zip(old, new, strict=True)]
+    # Latency is compared as a difference: what one tree adds over the other, in ms.
+    gaps = [n - o for o, n in zip(waits[args.rev], waits["working tree"], strict=True)]
     unit = "event" if stream else "request"
+    wait = "time to first event" if stream else "latency"
     out = Table(title=f"{args.mode}, concurrency {args.concurrency}, {args.rounds} rounds "
                       f"of {args.round_s:g} s each")
-    for column in ("", f"CPU µs per {unit} (median)", "min", "max"):
+    for column in ("", f"CPU µs per {unit} (median)", "min", "max",
+                   f"{wait}, ms: p50 (median of rounds)", "min", "max"):
         out.add_column(column, justify="right" if column else "left")
     for name, values in ((args.rev, old), ("working tree", new)):
         out.add_row(name, f"{statistics.median(values):.1f}", f"{min(values):.1f}",
-                    f"{max(values):.1f}")
-    out.add_row("working tree / rev, per round", f"{statistics.median(ratios):.3f}",
-                f"{min(ratios):.3f}", f"{max(ratios):.3f}")
+                    f"{max(values):.1f}", f"{statistics.median(waits[name]):.3f}",
+                    f"{min(waits[name]):.3f}", f"{max(waits[name]):.3f}")
+    out.add_row("working tree / rev, per round (latency: working tree - rev)",
+                f"{statistics.median(ratios):.3f}", f"{min(ratios):.3f}",
+                f"{max(ratios):.3f}", f"{statistics.median(gaps):+.3f}",
+                f"{min(gaps):+.3f}", f"{max(gaps):+.3f}")
     console.print(out)
 
 
