@@ -525,8 +525,9 @@ async def llama_request(http: aiohttp.ClientSession, url: str, data: bytes,
     took = time.perf_counter() - start
     engine_ms = engine_tokens = None
     at = tail.rfind(b'"timings"')
-    if at >= 0:
-        line = tail[tail.rfind(b"data: ", 0, at) + 6:].split(b"\n", 1)[0]
+    begins = tail.rfind(b"data: ", 0, at) if at >= 0 else -1
+    if begins >= 0:
+        line = tail[begins + 6:].split(b"\n", 1)[0]
         with contextlib.suppress(ValueError, KeyError, TypeError):
             timings = json.loads(line)["timings"]
             engine_ms, engine_tokens = float(timings["predicted_ms"]), int(timings["predicted_n"])
@@ -748,10 +749,15 @@ def verdicts(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int],
             median = statistics.median(delivered)
             engine = (pct(gens["llmgw"].engine_rates, 0.5)
                       / pct(gens["direct"].engine_rates, 0.5))
+            # Tokens cannot reach a client faster than the engine makes them: a stretch
+            # well under direct's means they came bunched (buffered), which fails too.
+            bunched = median > 2 - TOKENS_RATIO
             out.append((what, f"{median:.3f}, each generation against llama-server's own "
                         f"time for it, the median of {len(delivered)} rounds "
                         f"({middle_half(delivered, 4)}); {raw}; llama-server itself ran "
-                        f"{engine:.3f} as fast in llmgw's generations", median >= TOKENS_RATIO))
+                        f"{engine:.3f} as fast in llmgw's generations"
+                        + ("; over 1.01: the tokens came bunched, not as made" if bunched
+                           else ""), median >= TOKENS_RATIO and not bunched))
         else:
             out.append((what, raw + "; llama-server gave no timings", paired >= TOKENS_RATIO))
     return out
