@@ -104,9 +104,7 @@ async def run(args: argparse.Namespace) -> None:
                                         64, cell, c.gateways()["llmgw"])
                         unit = cell.events if stream else cell.requests
                         per[name].append(cell.gateway_ns / 1e3 / max(unit, 1))
-                        times = cell.firsts if stream else cell.latencies
-                        waits[name].append(statistics.median(times) * 1e3 if times
-                                           else float("nan"))
+                        waits[name].append(cell.waits[-1] * 1e3)  # run_round's p50
             finally:
                 for session in sessions.values():
                     await session.close()
