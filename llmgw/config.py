@@ -51,6 +51,9 @@ class Auth(_Config):
     # long to apply here. 0 reads the store on every request.
     key_cache_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 5.0
     session_ttl_s: PositiveSeconds = 12 * 3600.0
+    # A file holding the admin token, so that every server of a cluster takes the same one.
+    # Absent: each server makes its own at first start, <state_dir>/secrets/admin-token.
+    admin_token_file: str | None = None
     # argon2id: at most this many hashes at once (each takes argon2_memory_kib).
     hash_slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     argon2_memory_kib: Annotated[int, msgspec.Meta(ge=19 * 1024)] = 65536
@@ -322,6 +325,9 @@ class AgentConfig(_Config):
     # A plain http:// control plane off loopback: refused unless set on purpose.
     allow_plain_http: bool = False
     shard_health: ShardHealth = msgspec.field(default_factory=ShardHealth)
+    # NVML's library, loaded by path where the dynamic loader would not find it (NixOS:
+    # /run/opengl-driver/lib/libnvidia-ml.so.1). Absent: looked up by name.
+    nvml_library: str | None = None
     # How often the agent looks at the node again (engines, RAM, GPUs, weights) and
     # sends its inventory if something changed.
     probe_interval_s: PositiveSeconds = 60.0

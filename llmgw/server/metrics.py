@@ -26,12 +26,9 @@ scraper gets a token of its own that opens nothing else.
 
 from __future__ import annotations
 
-import os
-import stat
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, get
@@ -53,7 +50,7 @@ from prometheus_client.utils import floatToGoString
 from llmgw.core.inventory import NodeState
 from llmgw.core.names import is_loopback_host
 from llmgw.core.replicas import ReplicaState
-from llmgw.server.auth import SecretsFileError, admin_token_ok, bearer
+from llmgw.server.auth import admin_token_ok, bearer, read_secret_file
 from llmgw.server.errors import error_response
 
 if TYPE_CHECKING:
@@ -103,7 +100,8 @@ class Access:
         the defaults where the config has no such section or key."""
         section = config.metrics
         return cls(enabled=section.enabled, allow_loopback=section.allow_loopback,
-                   token=read_token_file(section.token_file) if section.token_file else None)
+                   token=(read_secret_file(section.token_file, "metrics token")
+                          if section.token_file else None))
 
     def allows(self, request: Request, admin_token: str | None) -> bool:
         token = bearer(request.headers.get("authorization"))
@@ -114,22 +112,6 @@ class Access:
         if not self.allow_loopback or any(h in request.headers for h in _FORWARDED):
             return False
         return is_loopback_host(request.client.host if request.client else None)
-
-
-def read_token_file(path: str | os.PathLike) -> str:
-    """The metrics token: the file's only line. Refuses a file others can read."""
-    file = Path(path)
-    try:
-        mode = file.stat().st_mode
-        token = file.read_text().strip()
-    except OSError as err:
-        raise SecretsFileError(f"cannot read the metrics token {file}: {err}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretsFileError(f"{file} is readable by other users (mode "
-                               f"{stat.S_IMODE(mode):o}); run `chmod 600 {file}`")
-    if not token:
-        raise SecretsFileError(f"the metrics token file {file} is empty")
-    return token
 
 
 class _Count:

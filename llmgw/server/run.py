@@ -14,7 +14,7 @@ from llmgw.core.names import is_loopback_host
 from llmgw.server.admin.models import sync_declared
 from llmgw.server.agents.live import LiveStreams
 from llmgw.server.app import build
-from llmgw.server.auth import load_or_create_admin_token
+from llmgw.server.auth import load_admin_token
 from llmgw.server.http import make_server
 from llmgw.server.listen import listening_socket
 from llmgw.store import Store, open_store, sqlite_url
@@ -59,7 +59,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
 
 
 async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | None) -> None:
-    admin_token, created = load_or_create_admin_token(config.state_dir)
+    admin_token, created = load_admin_token(config.state_dir, config.auth.admin_token_file)
     if created:
         log.info("made a new admin token in %s/secrets/admin-token", config.state_dir)
     store = await open_store(store_url(config))

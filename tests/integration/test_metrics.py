@@ -19,14 +19,13 @@ from llmgw.config import Model, ServerConfig, parse
 from llmgw.core.catalog import catalog_from_config
 from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
-from llmgw.server.auth import SecretsFileError
+from llmgw.server.auth import SecretsFileError, read_secret_file
 from llmgw.server.metrics import (
     UNKNOWN_MODEL,
     Access,
     Metrics,
     endpoint_kind,
     metrics_endpoint,
-    read_token_file,
     status_class,
 )
 from llmgw.server.openai.router import Router
@@ -158,14 +157,14 @@ def test_access_from_config(tmp_path):
         enabled=False, allow_loopback=False, token="scrape-me")
     token.chmod(0o640)
     with pytest.raises(SecretsFileError, match="chmod 600"):
-        read_token_file(token)
+        read_secret_file(token, "metrics token")
     with pytest.raises(SecretsFileError, match="cannot read"):
-        read_token_file(tmp_path / "missing")
+        read_secret_file(tmp_path / "missing", "metrics token")
     empty = tmp_path / "empty"
     empty.write_text("\n")
     os.chmod(empty, 0o600)
     with pytest.raises(SecretsFileError, match="empty"):
-        read_token_file(empty)
+        read_secret_file(empty, "metrics token")
 
 
 def test_the_endpoint():

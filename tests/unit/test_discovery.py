@@ -1,5 +1,6 @@
 """Node discovery: GPUs through a fake NVML, RDMA ports from a sysfs-shaped tree."""
 
+import _ctypes
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from llmgw.agent.discovery.gpus import (
     fake_no_driver,
     fake_no_library,
     fake_single_4090,
+    preload_nvml,
 )
 from llmgw.agent.discovery.infiniband import IbPort, discover_infiniband
 
@@ -117,6 +119,25 @@ def test_this_machine_without_an_nvidia_driver_gives_an_empty_report():
     report = discover_gpus()
     assert report.gpus == ()
     assert report.note
+
+
+def test_nvml_is_loaded_by_path_where_the_loader_would_not_look(tmp_path):
+    """NixOS keeps the driver's libraries in /run/opengl-driver/lib: loaded by path, a
+    library is found by its soname afterwards (pynvml's CDLL("libnvidia-ml.so.1")), with
+    no LD_LIBRARY_PATH for the engines to inherit. A node without the file has no GPUs."""
+    assert preload_nvml(None) is False
+    assert preload_nvml(str(tmp_path / "libnvidia-ml.so.1")) is False
+    # Any real shared object stands in for NVML: a copy of one of Python's own modules.
+    library = tmp_path / "libnvidia-ml.so.1"
+    shutil.copy(_ctypes.__file__, library)
+    assert str(library) not in _mapped_files()
+    assert preload_nvml(str(library)) is True
+    assert str(library) in _mapped_files()
+
+
+def _mapped_files() -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.split()[-1].startswith("/")}
 
 
 def test_infiniband_fixture_tree():

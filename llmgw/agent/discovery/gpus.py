@@ -12,6 +12,8 @@ an index here is an index there). NVML's own enumeration order is not guaranteed
 
 from __future__ import annotations
 
+import ctypes
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +64,17 @@ def _optional(call, *args) -> Any:
         return call(*args)
     except pynvml.NVMLError:
         return None
+
+
+def preload_nvml(path: str | None) -> bool:
+    """Load NVML from ``path`` (agent.yaml ``nvml_library``) before pynvml looks for it by
+    name: the dynamic loader then finds it already loaded. On NixOS the driver's libraries
+    sit outside the loader's search path, and LD_LIBRARY_PATH would reach the engines too.
+    False when there is no such file (a node without the NVIDIA driver)."""
+    if not path or not os.path.exists(path):
+        return False
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return True
 
 
 def discover_gpus(nvml: Any = None) -> GpuReport:

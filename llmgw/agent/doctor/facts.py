@@ -168,6 +168,8 @@ def gather(config: AgentConfig | None = None, servers: Sequence[str] | None = No
     total, available = src.memory()
     name = host.hostname()
     tls = config.tls if config else None
+    if config:
+        gpu_discovery.preload_nvml(config.nvml_library)
     return Facts(
         hostname=name, node_id=cfg.node_id or name, os_release=host.os_release(src.os_release),
         kernel=platform.release(), arch=src.arch, cpu_model=model, cpu_count=os.cpu_count() or 0,

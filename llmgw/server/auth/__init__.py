@@ -3,7 +3,9 @@
 from llmgw.server.auth.admin_token import (
     SecretsFileError,
     admin_token_ok,
+    load_admin_token,
     load_or_create_admin_token,
+    read_secret_file,
 )
 from llmgw.server.auth.keys import (
     KeyCache,
@@ -23,5 +25,7 @@ __all__ = [
     "create_api_key",
     "hash_key",
     "key_id",
+    "load_admin_token",
     "load_or_create_admin_token",
+    "read_secret_file",
 ]

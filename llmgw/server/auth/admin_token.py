@@ -43,5 +43,30 @@ def load_or_create_admin_token(state_dir: str | Path) -> tuple[str, bool]:
     return token, False
 
 
+def read_secret_file(path: str | os.PathLike, what: str) -> str:
+    """A token kept in a file the operator gives (``what`` names it in errors): the file's
+    only line. Refuses a file others can read, or an empty one."""
+    file = Path(path)
+    try:
+        mode = file.stat().st_mode
+        token = file.read_text().strip()
+    except OSError as err:
+        raise SecretsFileError(f"cannot read the {what} {file}: {err.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretsFileError(f"{file} is readable by other users (mode "
+                               f"{stat.S_IMODE(mode):o}); run `chmod 600 {file}`")
+    if not token:
+        raise SecretsFileError(f"the {what} file {file} is empty")
+    return token
+
+
+def load_admin_token(state_dir: str | Path, token_file: str | None) -> tuple[str, bool]:
+    """``(token, created)``: from ``auth.admin_token_file`` when set (every server of a
+    cluster then takes the same token), else from the state directory."""
+    if token_file:
+        return read_secret_file(token_file, "admin token"), False
+    return load_or_create_admin_token(state_dir)
+
+
 def admin_token_ok(expected: str, presented: str | None) -> bool:
     return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
