@@ -8,10 +8,12 @@ let
     imports = [ self.nixosModules.agent ];
     services.llmgw.agent = {
       enable = true;
-      servers = [ "http://server:${toString port}" ];
-      allowPlainHttp = true; # a test network: no TLS
       openFirewall = true;
-      fabric = "test";
+      settings = {
+        servers = [ "http://server:${toString port}" ];
+        allow_plain_http = true; # a test network: no TLS
+        fabric = "test";
+      };
     };
   };
 in
@@ -23,14 +25,16 @@ pkgs.testers.runNixOSTest {
       imports = [ self.nixosModules.server ];
       services.llmgw.server = {
         enable = true;
-        listen = { host = "0.0.0.0"; inherit port; };
-        allowPlainHttp = true;
         openFirewall = true;
-        models = [
-          { name = "sim-small"; replicas = 2; profiles = [ { engine = "sim"; } ]; }
-        ];
+        settings = {
+          listen = { host = "0.0.0.0"; inherit port; allow_plain_http = true; };
+          models = [
+            { name = "sim-small"; replicas = 2; profiles = [ { engine = "sim"; } ]; }
+          ];
+        };
       };
-      environment.systemPackages = [ self.packages.${pkgs.stdenv.hostPlatform.system}.llmgw pkgs.jq ];
+      # llmgw itself is on the PATH with the server.
+      environment.systemPackages = [ pkgs.jq ];
     };
     agent1 = agent;
     agent2 = agent;

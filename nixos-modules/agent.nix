@@ -1,24 +1,42 @@
 # services.llmgw.agent: one per node, `llmgw agent`.
 #
-# Thin: the options become llmgw's own agent.yaml (lib.nix renderAgent; every key is
-# documented in docs/configuration.md) and one ExecStart. Engines are either pinned from
-# nixpkgs here (`engines.<name>.package`, for example llama-cpp built with CUDA) or
-# installed by the agent when the server asks for them (server.yaml `engines`).
+# `settings` is llmgw's own agent.yaml (docs/configuration.md), typed where the module reads
+# a value itself and free-form elsewhere. Engines are either pinned here from nixpkgs
+# (`engines.<name>.package`, e.g. llama-cpp built with CUDA) or installed by the agent when
+# the server's `engines` asks for them.
+#
+# The flake passes its packages, so `package` defaults to its llmgw:
+#   import ./nixos-modules/agent.nix { packages = self.packages; }
+{ packages }:
 { config, lib, pkgs, ... }:
 
 let
   inherit (lib) mkIf mkOption mkEnableOption types;
+  shared = import ./lib.nix { inherit lib; };
   cfg = config.services.llmgw.agent;
-  render = import ./lib.nix;
   yaml = pkgs.formats.yaml { };
-  configFile = yaml.generate "llmgw-agent.yaml" (render.renderAgent cfg);
-  weights =
-    if cfg.weights.directories == null then [ { path = "/var/lib/llmgw-weights"; shared = null; } ]
-    else cfg.weights.directories;
-  weightsDirectories = map (d: d.path) weights;
+  configFile = yaml.generate "llmgw-agent.yaml" (shared.withoutNulls cfg.settings);
+
+  # Where an engine's program sits in its nixpkgs package, when `program` is not given.
+  enginePrograms = {
+    "llama.cpp" = "bin/llama-server";
+    "llama.cpp-rpc" = "bin/rpc-server";
+    vllm = "bin/vllm";
+  };
+  programOf = name: engine:
+    if engine.program != null then engine.program else enginePrograms.${name} or null;
+  renderEngine = name: engine: {
+    binary = if engine.binary != null then engine.binary
+      else "${engine.package}/${programOf name engine}";
+    version = if engine.version != null then engine.version
+      else if engine.package != null then engine.package.version or null else null;
+  };
+
+  weights = cfg.settings.weights.directories;
   # A shared directory is a filer's mount: reported when missing, never created.
-  localWeightsDirectories = map (d: d.path) (builtins.filter (d: d.shared != true) weights);
-  portRange = if cfg.portRange == null then [ 20000 20999 ] else cfg.portRange;
+  localWeights = map (d: d.path) (builtins.filter (d: !d.shared) weights);
+  inherit (cfg.settings) port_range servers;
+  isLoopbackUrl = url: builtins.match "https?://(localhost|127\\.[0-9.]+|\\[::1])(:[0-9]+)?(/.*)?" url != null;
 in
 {
   options.services.llmgw.agent = {
@@ -26,69 +44,44 @@ in
 
     package = mkOption {
       type = types.package;
-      defaultText = lib.literalExpression "llmgw.packages.\${system}.llmgw";
-      description = "The llmgw package; the flake's nixosModules set it to its own.";
+      default = packages.${pkgs.stdenv.hostPlatform.system}.llmgw;
+      defaultText = lib.literalExpression "llmgw.packages.\${pkgs.stdenv.hostPlatform.system}.llmgw";
+      description = "The llmgw package; `llmgw` is also put on the machine's PATH (doctor).";
     };
 
-    servers = mkOption {
-      type = types.nonEmptyListOf types.str;
-      example = [ "https://10.0.0.1:8443" "https://10.0.0.2:8443" ];
-      description = "Control-plane addresses (agent.yaml `servers`), tried in turn.";
+    openFirewall = mkOption {
+      type = types.bool;
+      default = false;
+      description = "Open the engines' port range (`settings.port_range`): the gateway and other nodes' ranks connect to them.";
     };
 
-    nodeId = mkOption {
-      type = types.nullOr types.str;
+    tls = mkOption {
       default = null;
-      description = "The node's name in the cluster (`node_id`). null: the host name.";
+      description = "The node's identity for https:// servers (agent.yaml `tls`; `llmgw agent join` writes the files).";
+      type = types.nullOr (types.submodule {
+        options = {
+          caFile = mkOption { type = types.either types.str types.path; description = "The cluster CA (`tls.ca_file`)."; };
+          certFile = mkOption { type = types.either types.str types.path; description = "The node's certificate (`tls.cert_file`)."; };
+          keyFile = mkOption { type = types.either types.str types.path; description = "The node's private key (`tls.key_file`)."; };
+        };
+      });
     };
 
-    address = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "10.0.0.11";
-      description = "Address engines bind to (`address`). null: the source address of the route to the servers.";
-    };
-
-    runtime = mkOption {
-      type = types.enum [ "auto" "systemd" "process" ];
-      default = render.defaults.agent.runtime;
-      description = ''
-        How shards run (`runtime`): systemd transient units (llmgw-shard-*.service) on the
-        system manager, so engines keep serving while the agent restarts.
-      '';
-    };
-
-    portRange = mkOption {
-      type = types.nullOr (types.addCheck (types.listOf types.port) (l: builtins.length l == 2));
-      default = null;
-      example = [ 20000 20999 ];
-      description = "Ports engines may use, [low high] (`port_range`). null: 20000-20999.";
-    };
-
-    fabric = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "ib-a";
-      description = "The network fabric this node is on (`fabric`); multi-node replicas need one.";
-    };
-
-    labels = mkOption {
-      type = types.nullOr (types.attrsOf types.str);
-      default = null;
-      example = { rack = "r12"; };
-      description = "Free labels that models select nodes by (`labels`).";
-    };
+    hubTokenFile = shared.secretFile ''
+      File holding the hub token for gated repositories (agent.yaml `weights.token_file`).
+    '';
 
     engines = mkOption {
-      default = null;
+      default = { };
       description = ''
         Engines pinned on this node (agent.yaml `engines`): a package from nixpkgs, or a
-        binary path. Reported as `configured`; the server places those engines here.
+        binary path. Reported as `configured`; the server places those engines here
+        without installing anything.
       '';
       example = lib.literalExpression ''
         { "llama.cpp".package = pkgs.llama-cpp.override { cudaSupport = true; }; }
       '';
-      type = types.nullOr (types.attrsOf (types.submodule {
+      type = types.attrsOf (types.submodule {
         options = {
           package = mkOption {
             type = types.nullOr types.package;
@@ -115,116 +108,159 @@ in
             description = "Free text reported with the engine (`version`).";
           };
         };
-      }));
-    };
-
-    enginesDir = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      description = "Where the agent installs engines (`engines_dir`). null: /var/lib/llmgw-agent/engines.";
-    };
-
-    installOsPackages = mkOption {
-      type = types.bool;
-      default = render.defaults.agent.installOsPackages;
-      description = ''
-        Let the agent install OS packages an engine build needs (`install_os_packages`).
-        Off: NixOS has no imperative package manager; pin engines from nixpkgs instead, or
-        give agent-installed (prebuilt) engines their libraries with programs.nix-ld.
-      '';
-    };
-
-    disableEngines = mkOption {
-      type = types.nullOr (types.listOf types.str);
-      default = null;
-      description = "Engines this node must never run (`disable_engines`).";
-    };
-
-    weights = {
-      directories = mkOption {
-        type = types.nullOr (types.listOf (types.submodule {
-          options = {
-            path = mkOption { type = types.str; description = "A directory of weights."; };
-            shared = mkOption {
-              type = types.nullOr types.bool;
-              default = null;
-              description = "A filer other nodes of the fabric see too (NFS, Lustre…); never guessed.";
-            };
-          };
-        }));
-        default = null;
-        description = "Where weights are looked for and fetched to (`weights.directories`). null: /var/lib/llmgw-weights.";
-      };
-      hub = mkOption {
-        type = types.nullOr types.str;
-        default = null;
-        example = "https://hf-mirror.internal";
-        description = "The hub hf:// sources come from (`weights.hub`); an air-gapped cluster's mirror.";
-      };
-      tokenFile = mkOption {
-        type = types.nullOr types.str;
-        default = null;
-        description = "File holding the hub token (`weights.token_file`).";
-      };
-    };
-
-    tls = mkOption {
-      default = null;
-      description = "The node's identity for https:// servers (agent.yaml `tls`).";
-      type = types.nullOr (types.submodule {
-        options = {
-          caFile = mkOption { type = types.str; description = "The cluster CA (`tls.ca_file`)."; };
-          certFile = mkOption { type = types.str; description = "The node's certificate (`tls.cert_file`)."; };
-          keyFile = mkOption { type = types.str; description = "The node's key (`tls.key_file`)."; };
-        };
       });
     };
 
-    allowPlainHttp = mkOption {
-      type = types.nullOr types.bool;
-      default = null;
-      description = "Dial an http:// control plane off loopback (`allow_plain_http`). null: refused.";
-    };
-
-    logLevel = mkOption {
-      type = types.nullOr (types.enum [ "debug" "info" "warning" "error" ]);
-      default = null;
-      description = "How much the agent logs (`log_level`). null: info.";
-    };
-
-    openFirewall = mkOption {
-      type = types.bool;
-      default = false;
-      description = "Open the engines' port range: the gateway and other nodes' ranks connect to them.";
-    };
-
     settings = mkOption {
-      type = yaml.type;
-      default = { };
-      example = { shard_health.fail_after_s = 60; };
-      description = "Any other agent.yaml key, as written there; merged over the options above.";
+      description = ''
+        agent.yaml, with llmgw's keys as written there (docs/configuration.md). The keys below
+        are typed; any other is written as given and checked by llmgw when the agent starts.
+        A null value is left out, so llmgw's default applies.
+      '';
+      example = lib.literalExpression ''
+        {
+          servers = [ "https://10.0.0.1:8443" ];
+          fabric = "ib-a";
+          labels.rack = "r12";
+          shard_health.fail_after_s = 60;
+        }
+      '';
+      type = types.submodule {
+        freeformType = yaml.type;
+        options = {
+          servers = mkOption {
+            type = types.nonEmptyListOf types.str;
+            example = [ "https://10.0.0.1:8443" "https://10.0.0.2:8443" ];
+            description = "Control-plane addresses, tried in turn.";
+          };
+          state_dir = mkOption {
+            type = types.str;
+            default = "/var/lib/llmgw-agent";
+            readOnly = true;
+            description = "The service's StateDirectory: installed engines, the node's identity.";
+          };
+          runtime = mkOption {
+            type = types.enum [ "auto" "systemd" "process" ];
+            default = "systemd";
+            description = ''
+              How shards run: systemd transient units (llmgw-shard-*.service) on the system
+              manager, so engines keep serving while the agent restarts.
+            '';
+          };
+          port_range = mkOption {
+            type = types.addCheck (types.listOf types.port) (l: builtins.length l == 2)
+              // { description = "list of two ports"; };
+            default = [ 20000 20999 ];
+            description = "Ports engines may use, [ low high ].";
+          };
+          engines_dir = mkOption {
+            type = types.nullOr types.str;
+            default = null;
+            description = "Where the agent installs engines. null: /var/lib/llmgw-agent/engines.";
+          };
+          install_os_packages = mkOption {
+            type = types.bool;
+            default = false;
+            description = ''
+              Let the agent install OS packages an engine build needs. Off: NixOS has no
+              imperative package manager; pin engines from nixpkgs instead, or give
+              agent-installed (prebuilt) engines their libraries with programs.nix-ld.
+            '';
+          };
+          allow_plain_http = mkOption {
+            type = types.bool;
+            default = false;
+            description = "Dial an http:// control plane off loopback: the stream in the clear.";
+          };
+          nvml_library = mkOption {
+            type = types.nullOr types.str;
+            default = "/run/opengl-driver/lib/libnvidia-ml.so.1";
+            description = ''
+              NVML, which the agent loads to see the GPUs: where NixOS puts the driver's
+              libraries (hardware.nvidia). Loaded by path, so no LD_LIBRARY_PATH reaches the engines.
+            '';
+          };
+          weights.directories = mkOption {
+            type = types.nonEmptyListOf (types.submodule {
+              freeformType = yaml.type;
+              options = {
+                path = mkOption { type = types.str; description = "A directory of weights."; };
+                shared = mkOption {
+                  type = types.bool;
+                  default = false;
+                  description = "A filer other nodes of the fabric see too (NFS, Lustre…): never created, never guessed.";
+                };
+              };
+            });
+            default = [ { path = "/var/lib/llmgw-weights"; } ];
+            description = "Where weights are looked for; fetched weights go to the first one not shared.";
+          };
+        };
+      };
     };
   };
 
   config = mkIf cfg.enable {
+    assertions = [
+      {
+        assertion = builtins.elemAt port_range 0 <= builtins.elemAt port_range 1;
+        message = "services.llmgw.agent.settings.port_range = [ ${toString port_range} ]: write the lower port first";
+      }
+      {
+        assertion = cfg.tls != null || !lib.any (lib.hasPrefix "https://") servers;
+        message = "services.llmgw.agent.settings.servers has https:// addresses but services.llmgw.agent.tls is not set: give the node's certificate files (`llmgw agent join` writes them)";
+      }
+      {
+        assertion = lib.all (s: lib.hasPrefix "https://" s || lib.hasPrefix "http://" s) servers;
+        message = "services.llmgw.agent.settings.servers: each address starts with https:// (or http://), e.g. \"https://10.0.0.1:8443\"";
+      }
+      {
+        assertion = cfg.settings.allow_plain_http
+          || lib.all (s: !lib.hasPrefix "http://" s || isLoopbackUrl s) servers;
+        message = "services.llmgw.agent.settings.servers has a plain http:// address off loopback: use https:// with `tls`, or set settings.allow_plain_http = true to send the stream in the clear";
+      }
+    ] ++ lib.mapAttrsToList (name: engine: {
+      assertion = (engine.package != null) != (engine.binary != null);
+      message = "services.llmgw.agent.engines.\"${name}\": set exactly one of package (from nixpkgs) or binary (a path on the node)";
+    }) cfg.engines
+    ++ lib.mapAttrsToList (name: engine: {
+      assertion = engine.package == null || programOf name engine != null;
+      message = "services.llmgw.agent.engines.\"${name}\": set program, the path of its program inside the package (e.g. \"bin/${name}\")";
+    }) cfg.engines
+    ++ shared.secretFileAssertions "services.llmgw.agent" { inherit (cfg) hubTokenFile; }
+    ++ lib.optionals (cfg.tls != null)
+      (shared.secretFileAssertions "services.llmgw.agent.tls" { inherit (cfg.tls) keyFile; });
+
+    services.llmgw.agent.settings = {
+      engines = mkIf (cfg.engines != { }) (lib.mapAttrs renderEngine cfg.engines);
+      tls = mkIf (cfg.tls != null) {
+        ca_file = toString cfg.tls.caFile;
+        cert_file = toString cfg.tls.certFile;
+        key_file = toString cfg.tls.keyFile;
+      };
+      weights = mkIf (cfg.hubTokenFile != null) { token_file = cfg.hubTokenFile; };
+    };
+
+    environment.systemPackages = [ cfg.package ];
+
     systemd.services.llmgw-agent = {
       description = "llmgw agent";
       wantedBy = [ "multi-user.target" ];
       after = [ "network-online.target" ];
       wants = [ "network-online.target" ];
+      # Engines keep serving while the agent restarts (their units are PID 1's), so a
+      # switch may restart it in one step.
+      stopIfChanged = false;
       restartTriggers = [ configFile ];
-      environment = {
-        PYTHONUNBUFFERED = "1";
-        # NVML (libnvidia-ml.so.1) comes with the driver NixOS puts here (hardware.nvidia).
-        LD_LIBRARY_PATH = "/run/opengl-driver/lib";
-      };
+      environment.PYTHONUNBUFFERED = "1";
       serviceConfig = {
+        Type = "exec";
         ExecStart = "${lib.getExe cfg.package} agent --config ${configFile}";
         Restart = "always";
         RestartSec = 2;
         # root: shards are transient units, started over the system manager's private bus
         # (/run/systemd/private), which only root may use. They are PID 1's children, so
-        # none of the sandbox below applies to the engines.
+        # none of the sandbox below reaches the engines.
         User = "root";
         StateDirectory = "llmgw-agent";
         StateDirectoryMode = "0700";
@@ -235,11 +271,17 @@ in
         PrivateTmp = true;
         ProtectSystem = "strict";
         # "-": a filer not mounted yet must not stop the agent (it reports it).
-        ReadWritePaths = map (path: "-${path}") weightsDirectories;
+        ReadWritePaths = map (path: "-${path}") (map (d: d.path) weights
+          ++ lib.optional (cfg.settings.engines_dir != null) cfg.settings.engines_dir);
         ProtectHome = true;
-        # GPUs: NVML and the engines need /dev/nvidia*, /dev/nvidia-uvm and
-        # /dev/nvidia-caps, so no PrivateDevices and no DevicePolicy here.
-        PrivateDevices = false;
+        # GPUs: NVML and the engines need the NVIDIA devices, and nothing else of /dev.
+        DevicePolicy = "closed";
+        DeviceAllow = [
+          "char-nvidiactl"
+          "char-nvidia-caps"
+          "char-nvidia-frontend"
+          "char-nvidia-uvm"
+        ];
         ProtectKernelTunables = true;
         ProtectKernelModules = true;
         ProtectKernelLogs = true;
@@ -252,10 +294,10 @@ in
       };
     };
 
-    systemd.tmpfiles.rules = map (path: "d ${path} 0755 root root -") localWeightsDirectories;
+    systemd.tmpfiles.rules = map (path: "d ${path} 0755 root root -") localWeights;
 
     networking.firewall.allowedTCPPortRanges = mkIf cfg.openFirewall [
-      { from = builtins.elemAt portRange 0; to = builtins.elemAt portRange 1; }
+      { from = builtins.elemAt port_range 0; to = builtins.elemAt port_range 1; }
     ];
   };
 }

@@ -1,50 +1,51 @@
 # services.llmgw.server: the control plane and gateway, `llmgw server`.
 #
-# Thin: the options become llmgw's own server.yaml (lib.nix renderServer; every key is
-# documented in docs/configuration.md) and one ExecStart. systemd holds the listening
-# socket (llmgw-server.socket) and passes it to each server it starts, so a restart or an
-# upgrade refuses no connection: the kernel queues them until the next server answers.
+# `settings` is llmgw's own server.yaml (docs/configuration.md), typed where the module
+# reads a value itself and free-form elsewhere; the module adds only what it owns (the
+# state directory, and the secret files as systemd credentials). systemd holds the
+# listening socket (llmgw-server.socket) and passes it to each server it starts, so a
+# restart or an upgrade refuses no connection: the kernel queues them meanwhile.
+#
+# The flake passes its packages, so `package` defaults to its llmgw:
+#   import ./nixos-modules/server.nix { packages = self.packages; }
+{ packages }:
 { config, lib, pkgs, ... }:
 
 let
   inherit (lib) mkIf mkOption mkEnableOption types optional optionals optionalString;
+  shared = import ./lib.nix { inherit lib; };
   cfg = config.services.llmgw.server;
-  render = import ./lib.nix;
   yaml = pkgs.formats.yaml { };
-  configFile = yaml.generate "llmgw-server.yaml" (render.renderServer cfg);
-  # systemd needs an address: "localhost" listens on the IPv4 loopback.
-  socketHost = if cfg.listen.host == "localhost" then "127.0.0.1" else cfg.listen.host;
-  listenStream =
-    if lib.hasInfix ":" socketHost then "[${socketHost}]:${toString cfg.listen.port}"
-    else "${socketHost}:${toString cfg.listen.port}";
+  configFile = yaml.generate "llmgw-server.yaml" (shared.withoutNulls cfg.settings);
+
+  # Files the server reads reach it as systemd credentials: it runs as a dynamic user that
+  # cannot read the operator's files, and they never enter the Nix store.
+  credentialsDir = "/run/credentials/llmgw-server.service";
+  tlsCredentials = {
+    caFile = { key = "ca_file"; name = "tls-ca"; };
+    caKeyFile = { key = "ca_key_file"; name = "tls-ca-key"; };
+    certFile = { key = "cert_file"; name = "tls-cert"; };
+    keyFile = { key = "key_file"; name = "tls-key"; };
+  };
   credentials =
-    optional (cfg.store.passwordFile != null) "store-password:${cfg.store.passwordFile}"
+    optional (cfg.storePasswordFile != null) "store-password:${cfg.storePasswordFile}"
+    ++ optional (cfg.adminTokenFile != null) "admin-token:${cfg.adminTokenFile}"
     ++ optional (cfg.metricsTokenFile != null) "metrics-token:${cfg.metricsTokenFile}"
-    ++ optionals (cfg.tls != null) (map
-      (option: "${render.serverTlsFiles.${option}.credential}:${cfg.tls.${option}}")
-      (builtins.attrNames render.serverTlsFiles));
+    ++ optionals (cfg.tls != null) (lib.mapAttrsToList
+      (option: c: "${c.name}:${toString cfg.tls.${option}}") tlsCredentials);
+
   # asyncpg reads PGPASSWORD when the URL has no password; exec keeps the pid systemd
   # named in LISTEN_PID.
   start = pkgs.writeShellScript "llmgw-server-start" ''
-    ${optionalString (cfg.store.passwordFile != null) ''
+    ${optionalString (cfg.storePasswordFile != null) ''
       PGPASSWORD="$(< "$CREDENTIALS_DIRECTORY/store-password")"
       export PGPASSWORD
     ''}
     exec ${lib.getExe cfg.package} server --config ${configFile}
   '';
-  listenOptions = defaults: {
-    host = mkOption {
-      type = types.str;
-      default = defaults.host;
-      example = "0.0.0.0";
-      description = "Address to listen on (server.yaml `listen.host`): an IP address or localhost.";
-    };
-    port = mkOption {
-      type = types.port;
-      default = defaults.port;
-      description = "TCP port (server.yaml `listen.port`).";
-    };
-  };
+
+  listen = cfg.settings.listen;
+  agentListen = if cfg.settings.tls == null then null else cfg.settings.tls.agent_listen;
 in
 {
   options.services.llmgw.server = {
@@ -52,146 +53,150 @@ in
 
     package = mkOption {
       type = types.package;
-      defaultText = lib.literalExpression "llmgw.packages.\${system}.llmgw";
-      description = "The llmgw package; the flake's nixosModules set it to its own.";
-    };
-
-    listen = listenOptions { inherit (render.defaults.server) host port; };
-
-    allowPlainHttp = mkOption {
-      type = types.nullOr types.bool;
-      default = null;
-      example = true;
-      description = ''
-        Serve plain HTTP on a non-loopback address without a `tls` block
-        (server.yaml `listen.allow_plain_http`). null: llmgw's default, refused.
-      '';
+      default = packages.${pkgs.stdenv.hostPlatform.system}.llmgw;
+      defaultText = lib.literalExpression "llmgw.packages.\${pkgs.stdenv.hostPlatform.system}.llmgw";
+      description = "The llmgw package; `llmgw` is also put on the machine's PATH (ctl, doctor).";
     };
 
     openFirewall = mkOption {
       type = types.bool;
       default = false;
-      description = "Open the listen port (and tls.agentListen's) in the firewall.";
+      description = "Open `settings.listen.port` and, with `tls`, the agent stream's port in the firewall.";
     };
 
-    store = {
-      url = mkOption {
-        type = types.nullOr types.str;
-        default = null;
-        example = "postgresql+asyncpg://llmgw@db.internal:5432/llmgw";
-        description = ''
-          SQLAlchemy URL of the store (server.yaml `store.url`), without a password.
-          null: SQLite in the state directory, /var/lib/llmgw/llmgw.db.
-        '';
-      };
-      passwordFile = mkOption {
-        type = types.nullOr types.path;
-        default = null;
-        example = "/run/secrets/llmgw-db-password";
-        description = ''
-          File holding the PostgreSQL password, read at start as a systemd credential and
-          given to asyncpg as PGPASSWORD; it never enters the Nix store.
-        '';
-      };
-    };
+    storePasswordFile = shared.secretFile ''
+      File holding the PostgreSQL password (the URL in `settings.store.url` has none), read
+      at start as a systemd credential and given to asyncpg as PGPASSWORD.
+    '';
+
+    adminTokenFile = shared.secretFile ''
+      File holding the admin token (server.yaml `auth.admin_token_file`), passed as a
+      credential: every server of a cluster then takes the same token. null: the server
+      makes one at first start in /var/lib/llmgw/secrets/admin-token.
+    '';
+
+    metricsTokenFile = shared.secretFile ''
+      File holding the /metrics token (server.yaml `metrics.token_file`), passed as a credential.
+    '';
 
     tls = mkOption {
       default = null;
       description = ''
         The cluster's CA and the server's certificate (server.yaml `tls`; `llmgw server init`
-        writes the four files). Each file is passed as a systemd credential, so it may be
-        readable by root only. null: no TLS, no agent-stream mTLS listener.
+        writes the four files). Each is passed as a systemd credential, so it may be readable
+        by root only. null: no TLS, no agent-stream mTLS listener.
       '';
       type = types.nullOr (types.submodule {
         options = {
-          caFile = mkOption { type = types.path; description = "The cluster CA's certificate (`tls.ca_file`)."; };
-          caKeyFile = mkOption { type = types.path; description = "The CA's private key, which signs node certificates (`tls.ca_key_file`)."; };
-          certFile = mkOption { type = types.path; description = "The server's certificate (`tls.cert_file`)."; };
-          keyFile = mkOption { type = types.path; description = "The server's private key (`tls.key_file`)."; };
-          agentListen = mkOption {
-            type = types.nullOr (types.submodule { options = listenOptions { host = "0.0.0.0"; port = 8443; }; });
-            default = null;
-            example = { host = "10.0.0.1"; port = 8443; };
-            description = "Where agents' mTLS stream listens (`tls.agent_listen`). null: 0.0.0.0:8443.";
-          };
-          publicUrls = mkOption {
-            type = types.nullOr (types.listOf types.str);
-            default = null;
-            example = [ "https://cp1.internal:8080" ];
-            description = "The URLs nodes reach this cluster's API at (`tls.public_urls`).";
-          };
-          nodeCertDays = mkOption {
-            type = types.nullOr types.number;
-            default = null;
-            description = "How long node certificates live (`tls.node_cert_days`). null: llmgw's default, 7.";
-          };
+          caFile = mkOption { type = types.either types.str types.path; description = "The cluster CA's certificate (`tls.ca_file`)."; };
+          caKeyFile = mkOption { type = types.either types.str types.path; description = "The CA's private key, which signs node certificates (`tls.ca_key_file`)."; };
+          certFile = mkOption { type = types.either types.str types.path; description = "The server's certificate (`tls.cert_file`)."; };
+          keyFile = mkOption { type = types.either types.str types.path; description = "The server's private key (`tls.key_file`)."; };
         };
       });
     };
 
-    metricsTokenFile = mkOption {
-      type = types.nullOr types.path;
-      default = null;
-      description = "File holding the /metrics token (`metrics.token_file`), passed as a credential.";
-    };
-
-    models = mkOption {
-      type = types.nullOr (types.listOf yaml.type);
-      default = null;
-      example = [ { name = "sim-small"; profiles = [ { engine = "sim"; } ]; } ];
-      description = ''
-        The catalog (server.yaml `models`), with llmgw's keys as written there
-        (docs/configuration.md): checked by llmgw when the server starts.
-      '';
-    };
-
-    engines = mkOption {
-      type = types.nullOr (types.attrsOf yaml.type);
-      default = null;
-      example = { "llama.cpp" = { version = "b6981"; }; };
-      description = ''
-        Engine versions every node installs (server.yaml `engines`). `{ }` installs none:
-        the right choice when nodes pin their engines from nixpkgs. null: llmgw's default.
-      '';
-    };
-
-    engineMirror = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "https://mirror.internal/llmgw-engines";
-      description = "An offline mirror of engine archives (server.yaml `engine_mirror`).";
-    };
-
-    logLevel = mkOption {
-      type = types.nullOr (types.enum [ "debug" "info" "warning" "error" ]);
-      default = null;
-      description = "How much the server logs (`log_level`). null: info.";
-    };
-
     settings = mkOption {
-      type = yaml.type;
       default = { };
-      example = { gateway.queue_wait_s = 60; auth.session_ttl_s = 3600; };
-      description = ''
-        Any other server.yaml key (gateway, auth, nodes, controller, metrics, engine
-        overrides…), as written there; merged over what the options above render.
+      example = lib.literalExpression ''
+        {
+          listen = { host = "10.0.0.1"; port = 8080; };
+          store.url = "postgresql+asyncpg://llmgw@db.internal:5432/llmgw";
+          models = [ { name = "sim-small"; profiles = [ { engine = "sim"; } ]; } ];
+          gateway.queue_wait_s = 60;
+        }
       '';
+      description = ''
+        server.yaml, with llmgw's keys as written there (docs/configuration.md). The keys below
+        are typed; any other is written as given and checked by llmgw when the server starts.
+        A null value is left out, so llmgw's default applies.
+      '';
+      type = types.submodule {
+        freeformType = yaml.type;
+        options = {
+          listen = shared.listenOptions { host = "127.0.0.1"; port = 8080; } // {
+            allow_plain_http = mkOption {
+              type = types.bool;
+              default = false;
+              description = "Serve plain HTTP off loopback without `tls`: passwords and keys in the clear.";
+            };
+          };
+          state_dir = mkOption {
+            type = types.str;
+            default = "/var/lib/llmgw";
+            readOnly = true;
+            description = "The service's StateDirectory: the SQLite store, the admin token.";
+          };
+          store.url = mkOption {
+            type = types.nullOr types.str;
+            default = null;
+            example = "postgresql+asyncpg://llmgw@db.internal:5432/llmgw";
+            description = "SQLAlchemy URL of the store, without a password. null: SQLite in the state directory.";
+          };
+          tls = mkOption {
+            default = null;
+            description = "server.yaml `tls` beside the files (`services.llmgw.server.tls`), which the module writes.";
+            type = types.nullOr (types.submodule {
+              freeformType = yaml.type;
+              options.agent_listen = shared.listenOptions { host = "0.0.0.0"; port = 8443; };
+            });
+          };
+          log_level = mkOption {
+            type = types.nullOr (types.enum [ "debug" "info" "warning" "error" ]);
+            default = null;
+            description = "How much the server logs. null: info.";
+          };
+          models = mkOption {
+            type = types.nullOr (types.listOf yaml.type);
+            default = null;
+            example = [ { name = "sim-small"; profiles = [ { engine = "sim"; } ]; } ];
+            description = "The catalog, checked by llmgw when the server starts.";
+          };
+        };
+      };
     };
   };
 
   config = mkIf cfg.enable {
     assertions = [
       {
-        assertion = cfg.listen.host == "localhost" || builtins.match "[0-9a-fA-F.:]+" cfg.listen.host != null;
-        message = "services.llmgw.server.listen.host must be an IP address or localhost: systemd's socket listens on it";
+        assertion = shared.isAddress listen.host;
+        message = "services.llmgw.server.settings.listen.host = \"${listen.host}\": give an IP address or localhost; systemd's socket listens on it";
       }
-    ];
+      {
+        assertion = cfg.tls != null || listen.allow_plain_http || shared.isLoopback listen.host;
+        message = "services.llmgw.server.settings.listen.host = \"${listen.host}\" is not loopback and there is no `tls`: set services.llmgw.server.tls (the files `llmgw server init` writes), or settings.listen.allow_plain_http = true to serve passwords and keys in the clear";
+      }
+      {
+        assertion = cfg.settings.tls == null || cfg.tls != null;
+        message = "services.llmgw.server.settings.tls is set but services.llmgw.server.tls is not: give the four files there (`llmgw server init` writes them)";
+      }
+      {
+        assertion = cfg.storePasswordFile == null
+          || lib.hasPrefix "postgresql" (toString cfg.settings.store.url);
+        message = "services.llmgw.server.storePasswordFile is for PostgreSQL: set settings.store.url to a postgresql+asyncpg:// URL, or drop the password file";
+      }
+    ] ++ shared.secretFileAssertions "services.llmgw.server" {
+      inherit (cfg) storePasswordFile adminTokenFile metricsTokenFile;
+    } ++ optionals (cfg.tls != null) (shared.secretFileAssertions "services.llmgw.server.tls" {
+      inherit (cfg.tls) caKeyFile keyFile;
+    });
+
+    services.llmgw.server.settings = {
+      tls = mkIf (cfg.tls != null) (lib.mapAttrs' (option: c:
+        lib.nameValuePair c.key "${credentialsDir}/${c.name}") tlsCredentials);
+      auth = mkIf (cfg.adminTokenFile != null) { admin_token_file = "${credentialsDir}/admin-token"; };
+      metrics = mkIf (cfg.metricsTokenFile != null) { token_file = "${credentialsDir}/metrics-token"; };
+    };
+
+    environment.systemPackages = [ cfg.package ];
 
     systemd.sockets.llmgw-server = {
       description = "llmgw server's listening socket";
       wantedBy = [ "sockets.target" ];
-      listenStreams = [ listenStream ];
+      listenStreams = [ (shared.hostPort listen.host listen.port) ];
       # One socket for every server process in turn (llmgw/server/listen.py takes it).
+      # FreeBind: the address may come up after the socket does.
       socketConfig = { Accept = false; Backlog = 4096; FreeBind = true; };
     };
 
@@ -202,11 +207,13 @@ in
       after = [ "llmgw-server.socket" "network-online.target" ]
         ++ optional config.services.postgresql.enable "postgresql.service";
       wants = [ "network-online.target" ];
-      # On an upgrade, restart in one step: the socket queues connections meanwhile.
+      # nixos-rebuild switch restarts the server in one step instead of stopping it and
+      # starting it later: the socket keeps queueing connections meanwhile.
       stopIfChanged = false;
       restartTriggers = [ configFile ];
       environment.PYTHONUNBUFFERED = "1";
       serviceConfig = {
+        Type = "exec";
         ExecStart = start;
         Restart = "on-failure";
         RestartSec = 2;
@@ -215,34 +222,38 @@ in
         StateDirectoryMode = "0700";
         LoadCredential = credentials;
         UMask = "0077";
+        CapabilityBoundingSet = [ "" ];
+        DevicePolicy = "closed";
+        LockPersonality = true;
+        # MemoryDenyWriteExecute stays off: cffi (argon2-cffi, cryptography) may need
+        # writable and executable trampolines.
         NoNewPrivileges = true;
-        PrivateTmp = true;
         PrivateDevices = true;
-        ProtectSystem = "strict";
-        ProtectHome = true;
-        ProtectKernelTunables = true;
-        ProtectKernelModules = true;
-        ProtectKernelLogs = true;
-        ProtectControlGroups = true;
+        PrivateTmp = true;
+        PrivateUsers = true;
+        ProcSubset = "pid";
         ProtectClock = true;
+        ProtectControlGroups = true;
+        ProtectHome = true;
         ProtectHostname = true;
+        ProtectKernelLogs = true;
+        ProtectKernelModules = true;
+        ProtectKernelTunables = true;
         ProtectProc = "invisible";
+        ProtectSystem = "strict";
+        RemoveIPC = true;
         RestrictAddressFamilies = [ "AF_INET" "AF_INET6" "AF_UNIX" ];
         RestrictNamespaces = true;
         RestrictRealtime = true;
         RestrictSUIDSGID = true;
-        LockPersonality = true;
-        CapabilityBoundingSet = "";
         SystemCallArchitectures = "native";
         SystemCallFilter = [ "@system-service" "~@privileged" ];
-        # MemoryDenyWriteExecute stays off: cffi (argon2, cryptography) may need
-        # writable-executable trampolines.
+        SystemCallErrorNumber = "EPERM";
       };
     };
 
     networking.firewall.allowedTCPPorts = mkIf cfg.openFirewall
-      ([ cfg.listen.port ]
-        ++ optional (cfg.tls != null)
-          (if cfg.tls.agentListen == null then 8443 else cfg.tls.agentListen.port));
+      ([ listen.port ] ++ optional (cfg.tls != null)
+        (if agentListen == null then 8443 else agentListen.port));
   };
 }
