@@ -1,4 +1,4 @@
-# The stand-in for nixpkgs that tests/unit/test_nix.py evaluates llmgw's Nix code against:
+# The stand-in for nixpkgs that tests/nixos evaluates llmgw's Nix code against:
 # nixpkgs' real lib, a package set of derivations that are never built (pkgs.nix), and a
 # small NixOS over NixOS's own systemd code (nixos.nix).
 #

@@ -1,5 +1,5 @@
 # A stand-in for nixpkgs' package set, for evaluating llmgw's flake and NixOS modules on a
-# machine that cannot download nixpkgs (tests/unit/test_nix.py).
+# machine that cannot download nixpkgs (tests/nixos).
 #
 # Every attribute here is one nixpkgs has, with the shape llmgw's Nix code relies on, so a
 # misspelt name fails as it would against nixpkgs. Each package is a builtins.derivation:
@@ -96,12 +96,18 @@ let
           (node: system: map (m: "${node}: ${m}") system.failedAssertions) evaluated);
       in
       if failed != [ ] then throw "runNixOSTest ${name}:\n${lib.concatStringsSep "\n" failed}"
-      else standIn {
-        name = "vm-test-run-${name}";
-        inherit testScript;
-        # The nodes' units, so each node's configuration is evaluated and instantiated.
-        nodes = lib.concatLists (lib.mapAttrsToList (_: s: lib.attrValues s.unitFiles) evaluated);
-      };
+      else
+        let
+          # The driver runs testScript against the nodes' systems: here, their units, so
+          # each node's configuration is evaluated and instantiated.
+          driver = standIn {
+            name = "nixos-test-driver-${name}";
+            inherit testScript;
+            nodes = lib.concatLists (lib.mapAttrsToList (_: s: lib.attrValues s.unitFiles) evaluated);
+            meta.mainProgram = "nixos-test-driver";
+          };
+        in
+        standIn { name = "vm-test-run-${name}"; inherit driver; passthru = { inherit driver; }; };
 
     python3 = python "python3" "3.13.9";
     python311 = python "python3" "3.11.14";

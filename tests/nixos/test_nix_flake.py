@@ -54,7 +54,7 @@ def test_flake_check_evaluates_every_output_offline(nix, flake):
 def test_every_output_instantiates(nix, flake):
     for system in SYSTEMS:
         for attribute in ("packages.{s}.default", "packages.{s}.llmgw", "devShells.{s}.default",
-                          "checks.{s}.llmgw", "checks.{s}.vm"):
+                          "checks.{s}.llmgw", "checks.{s}.vm", "checks.{s}.vm.driver"):
             drv = evaluate(nix, flake, attribute.format(s=system) + ".drvPath", "--raw")
             assert re.fullmatch(r"/nix/store/[0-9a-z]{32}-.+\.drv", drv), (attribute, drv)
 

@@ -1,5 +1,5 @@
 # Stands in for github:NixOS/nixpkgs in `nix flake check --override-input nixpkgs path:…`
-# (tests/unit/test_nix.py). The test copies this directory into a scratch one beside
+# (tests/nixos). The test copies this directory into a scratch one beside
 # `lib` (nixpkgs' real lib), `excerpts` (NixOS's systemd code) and `harness` (tests/nix):
 # a flake input must hold everything it reads.
 {

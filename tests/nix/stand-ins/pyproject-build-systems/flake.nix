@@ -1,4 +1,4 @@
-# Stands in for github:pyproject-nix/build-system-pkgs, for tests/unit/test_nix.py only (CI
+# Stands in for github:pyproject-nix/build-system-pkgs, for tests/nixos only (CI
 # cannot fetch it, and its code is not vendored here): `--override-input
 # pyproject-build-systems path:…`. Upstream's overlays put build systems (hatchling, ...)
 # into the Python set, from its own uv.lock; these put in a derivation per build system,

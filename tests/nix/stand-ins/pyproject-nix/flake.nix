@@ -1,4 +1,4 @@
-# Stands in for github:pyproject-nix/pyproject.nix, for tests/unit/test_nix.py only (CI cannot
+# Stands in for github:pyproject-nix/pyproject.nix, for tests/nixos only (CI cannot
 # fetch it, and its code is not vendored here): `--override-input pyproject-nix path:…`.
 # Only what nix/package.nix calls, with upstream's names and call shapes:
 #   build.packages: callPackage-able { python, newScope, stdenv, ... } -> a scope with

@@ -1,4 +1,4 @@
-# Stands in for github:pyproject-nix/uv2nix, for tests/unit/test_nix.py only (CI cannot fetch
+# Stands in for github:pyproject-nix/uv2nix, for tests/nixos only (CI cannot fetch
 # it, and its code is not vendored here): `--override-input uv2nix path:…`. Only what
 # nix/package.nix calls, with upstream's names and call shapes:
 #   lib.workspace.loadWorkspace { workspaceRoot } -> { mkPyprojectOverlay, deps.default, deps.all }
