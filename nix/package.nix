@@ -67,11 +67,11 @@ let
     name = "llmgw-${version}-unit-tests";
     src = lib.fileset.toSource {
       inherit root;
+      # Not llmgw/: the tests import the package installed in the environment (pytest's
+      # pythonpath is the source root, which then holds no llmgw to shadow it).
       fileset = lib.fileset.unions [
         ../pyproject.toml
         ../README.md
-        ../llmgw
-        ../migrations
         ../tests
       ];
     };

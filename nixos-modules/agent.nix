@@ -39,6 +39,24 @@ let
   isLoopbackUrl = url: builtins.match "https?://(localhost|127\\.[0-9.]+|\\[::1])(:[0-9]+)?(/.*)?" url != null;
 in
 {
+  imports = shared.renamed "agent" [
+    { from = [ "servers" ]; to = [ "settings" "servers" ]; }
+    { from = [ "nodeId" ]; to = [ "settings" "node_id" ]; }
+    { from = [ "address" ]; to = [ "settings" "address" ]; }
+    { from = [ "runtime" ]; to = [ "settings" "runtime" ]; }
+    { from = [ "portRange" ]; to = [ "settings" "port_range" ]; }
+    { from = [ "fabric" ]; to = [ "settings" "fabric" ]; }
+    { from = [ "labels" ]; to = [ "settings" "labels" ]; }
+    { from = [ "enginesDir" ]; to = [ "settings" "engines_dir" ]; }
+    { from = [ "installOsPackages" ]; to = [ "settings" "install_os_packages" ]; }
+    { from = [ "disableEngines" ]; to = [ "settings" "disable_engines" ]; }
+    { from = [ "weights" "directories" ]; to = [ "settings" "weights" "directories" ]; }
+    { from = [ "weights" "hub" ]; to = [ "settings" "weights" "hub" ]; }
+    { from = [ "weights" "tokenFile" ]; to = [ "hubTokenFile" ]; }
+    { from = [ "allowPlainHttp" ]; to = [ "settings" "allow_plain_http" ]; }
+    { from = [ "logLevel" ]; to = [ "settings" "log_level" ]; }
+  ];
+
   options.services.llmgw.agent = {
     enable = mkEnableOption "the llmgw agent on this node";
 
@@ -60,9 +78,9 @@ in
       description = "The node's identity for https:// servers (agent.yaml `tls`; `llmgw agent join` writes the files).";
       type = types.nullOr (types.submodule {
         options = {
-          caFile = mkOption { type = types.either types.str types.path; description = "The cluster CA (`tls.ca_file`)."; };
-          certFile = mkOption { type = types.either types.str types.path; description = "The node's certificate (`tls.cert_file`)."; };
-          keyFile = mkOption { type = types.either types.str types.path; description = "The node's private key (`tls.key_file`)."; };
+          caFile = shared.publicFile "The cluster CA (`tls.ca_file`).";
+          certFile = shared.publicFile "The node's certificate (`tls.cert_file`).";
+          keyFile = shared.requiredSecretFile "The node's private key (`tls.key_file`).";
         };
       });
     };
@@ -234,8 +252,8 @@ in
     services.llmgw.agent.settings = {
       engines = mkIf (cfg.engines != { }) (lib.mapAttrs renderEngine cfg.engines);
       tls = mkIf (cfg.tls != null) {
-        ca_file = toString cfg.tls.caFile;
-        cert_file = toString cfg.tls.certFile;
+        ca_file = cfg.tls.caFile;
+        cert_file = cfg.tls.certFile;
         key_file = toString cfg.tls.keyFile;
       };
       weights = mkIf (cfg.hubTokenFile != null) { token_file = cfg.hubTokenFile; };
@@ -275,12 +293,18 @@ in
           ++ lib.optional (cfg.settings.engines_dir != null) cfg.settings.engines_dir);
         ProtectHome = true;
         # GPUs: NVML and the engines need the NVIDIA devices, and nothing else of /dev.
+        # Groups as /proc/devices names them: /dev/nvidia0..N and nvidiactl are "nvidia"
+        # on current drivers and "nvidia-frontend" on older ones; a group the driver does
+        # not register is ignored.
         DevicePolicy = "closed";
         DeviceAllow = [
-          "char-nvidiactl"
-          "char-nvidia-caps"
+          "char-nvidia"
           "char-nvidia-frontend"
+          "char-nvidiactl"
           "char-nvidia-uvm"
+          "char-nvidia-caps"
+          "char-nvidia-caps-imex-channels"
+          "char-nvidia-nvswitch"
         ];
         ProtectKernelTunables = true;
         ProtectKernelModules = true;

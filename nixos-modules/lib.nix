@@ -16,6 +16,20 @@ rec {
     inherit description;
   };
 
+  # A file anyone may read (a certificate): a path on the machine, or a Nix path, which is
+  # copied into the store with the system.
+  publicFile = description: mkOption {
+    type = types.either types.str types.path;
+    apply = value: if builtins.isPath value then "${value}" else value;
+    inherit description;
+  };
+
+  # A secret file inside a submodule: the same types as secretFile, but required.
+  requiredSecretFile = description: mkOption {
+    type = types.either types.str types.path;
+    inherit description;
+  };
+
   # One assertion per secret file option: a path on the machine, outside the Nix store.
   secretFileAssertions = prefix: files: lib.mapAttrsToList
     (name: value: {
@@ -29,6 +43,11 @@ rec {
            else "give an absolute path, e.g. \"/run/secrets/llmgw\"");
     })
     files;
+
+  # Options of earlier versions of a role, now elsewhere (mostly keys of `settings`): a
+  # definition still applies, with a warning that names the new place.
+  renamed = role: map ({ from, to }:
+    lib.mkRenamedOptionModule ([ "services" "llmgw" role ] ++ from) ([ "services" "llmgw" role ] ++ to));
 
   # llmgw's file from `settings`: an option left null is not written, so llmgw's own
   # default applies (docs/configuration.md); nor is a section of nothing but nulls. An

@@ -48,6 +48,18 @@ let
   agentListen = if cfg.settings.tls == null then null else cfg.settings.tls.agent_listen;
 in
 {
+  imports = shared.renamed "server" [
+    { from = [ "listen" "host" ]; to = [ "settings" "listen" "host" ]; }
+    { from = [ "listen" "port" ]; to = [ "settings" "listen" "port" ]; }
+    { from = [ "allowPlainHttp" ]; to = [ "settings" "listen" "allow_plain_http" ]; }
+    { from = [ "store" "url" ]; to = [ "settings" "store" "url" ]; }
+    { from = [ "store" "passwordFile" ]; to = [ "storePasswordFile" ]; }
+    { from = [ "models" ]; to = [ "settings" "models" ]; }
+    { from = [ "engines" ]; to = [ "settings" "engines" ]; }
+    { from = [ "engineMirror" ]; to = [ "settings" "engine_mirror" ]; }
+    { from = [ "logLevel" ]; to = [ "settings" "log_level" ]; }
+  ];
+
   options.services.llmgw.server = {
     enable = mkEnableOption "the llmgw server: control plane and OpenAI-compatible gateway";
 
@@ -88,10 +100,10 @@ in
       '';
       type = types.nullOr (types.submodule {
         options = {
-          caFile = mkOption { type = types.either types.str types.path; description = "The cluster CA's certificate (`tls.ca_file`)."; };
-          caKeyFile = mkOption { type = types.either types.str types.path; description = "The CA's private key, which signs node certificates (`tls.ca_key_file`)."; };
-          certFile = mkOption { type = types.either types.str types.path; description = "The server's certificate (`tls.cert_file`)."; };
-          keyFile = mkOption { type = types.either types.str types.path; description = "The server's private key (`tls.key_file`)."; };
+          caFile = shared.publicFile "The cluster CA's certificate (`tls.ca_file`).";
+          caKeyFile = shared.requiredSecretFile "The CA's private key, which signs node certificates (`tls.ca_key_file`).";
+          certFile = shared.publicFile "The server's certificate (`tls.cert_file`).";
+          keyFile = shared.requiredSecretFile "The server's private key (`tls.key_file`).";
         };
       });
     };
@@ -172,6 +184,10 @@ in
         message = "services.llmgw.server.settings.tls is set but services.llmgw.server.tls is not: give the four files there (`llmgw server init` writes them)";
       }
       {
+        assertion = builtins.match "[^/]*://[^/@]*:[^/@]*@.*" (toString cfg.settings.store.url) == null;
+        message = "services.llmgw.server.settings.store.url holds a password, which would be written into the world-readable Nix store: leave it out of the URL and give it in storePasswordFile";
+      }
+      {
         assertion = cfg.storePasswordFile == null
           || lib.hasPrefix "postgresql" (toString cfg.settings.store.url);
         message = "services.llmgw.server.storePasswordFile is for PostgreSQL: set settings.store.url to a postgresql+asyncpg:// URL, or drop the password file";
@@ -204,8 +220,10 @@ in
       description = "llmgw server: control plane and OpenAI-compatible gateway";
       wantedBy = [ "multi-user.target" ];
       requires = [ "llmgw-server.socket" ];
+      # A local PostgreSQL: after its users and databases are set up (postgresql.target
+      # on 25.11, the service itself before).
       after = [ "llmgw-server.socket" "network-online.target" ]
-        ++ optional config.services.postgresql.enable "postgresql.service";
+        ++ optionals config.services.postgresql.enable [ "postgresql.service" "postgresql.target" ];
       wants = [ "network-online.target" ];
       # nixos-rebuild switch restarts the server in one step instead of stopping it and
       # starting it later: the socket keeps queueing connections meanwhile.

@@ -26,6 +26,7 @@ scraper gets a token of its own that opens nothing else.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -114,6 +115,18 @@ class Access:
         return is_loopback_host(request.client.host if request.client else None)
 
 
+class _ProcessCollector(ProcessCollector):
+    """prometheus-client's process metrics, which read the boot time from /proc/stat and
+    report nothing without it. systemd's ProcSubset=pid (the NixOS module's sandbox) hides
+    that file and keeps /proc/self; the clock gives the same boot time."""
+
+    def _boot_time(self) -> float:
+        try:
+            return super()._boot_time()
+        except OSError:
+            return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class _Count:
     """One counter series: a number the event loop adds to."""
 
@@ -171,7 +184,7 @@ class Metrics:
         self.access = access or Access()
         self.registry = CollectorRegistry(auto_describe=True)
         if process:
-            ProcessCollector(registry=self.registry)
+            _ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
             GCCollector(registry=self.registry)
         # Each family's series by their labels: what a scrape exposes.

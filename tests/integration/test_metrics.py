@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import msgspec
+import psutil
 import pytest
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.testing import TestClient
+from prometheus_client import ProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.config import Model, ServerConfig, parse
@@ -24,6 +27,7 @@ from llmgw.server.metrics import (
     UNKNOWN_MODEL,
     Access,
     Metrics,
+    _ProcessCollector,
     endpoint_kind,
     metrics_endpoint,
     status_class,
@@ -165,6 +169,20 @@ def test_access_from_config(tmp_path):
     os.chmod(empty, 0o600)
     with pytest.raises(SecretsFileError, match="empty"):
         read_secret_file(empty, "metrics token")
+
+
+def test_process_metrics_without_proc_stat(tmp_path):
+    """Under systemd's ProcSubset=pid /proc/stat is hidden and /proc/self is not:
+    prometheus-client's own collector then reports nothing; llmgw's still does."""
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "stat").write_bytes(Path("/proc/self/stat").read_bytes())
+    assert list(ProcessCollector(proc=str(tmp_path), registry=None).collect()) == []
+    names = {m.name for m in _ProcessCollector(proc=str(tmp_path), registry=None).collect()}
+    assert {"process_start_time_seconds", "process_resident_memory_bytes",
+            "process_cpu_seconds"} <= names
+    start = next(m for m in _ProcessCollector(proc=str(tmp_path), registry=None).collect()
+                 if m.name == "process_start_time_seconds")
+    assert abs(start.samples[0].value - psutil.Process().create_time()) < 2
 
 
 def test_the_endpoint():

@@ -105,7 +105,7 @@ def nix(tmp_path_factory: pytest.TempPathFactory) -> Nix:
         pytest.skip(why)
     found = Nix(tools, tmp_path_factory.mktemp("nix"))
     version = found.ok("nix", "--version")
-    assert "2.26" in version or "2.2" in version, version
+    assert "(Nix) 2.26." in version, version
     return found
 
 

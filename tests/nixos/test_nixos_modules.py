@@ -10,6 +10,7 @@ YAML, which llmgw's own config loader must accept.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -138,8 +139,9 @@ def test_the_agent_unit(nix, systems, tmp_path):
                        "DevicePolicy": "closed", "ProtectSystem": "strict",
                        "StateDirectory": "llmgw-agent", "Restart": "always"}.items():
         assert options.get(key) == value, key
-    assert values(service, "Service", "DeviceAllow") == [
-        "char-nvidiactl", "char-nvidia-caps", "char-nvidia-frontend", "char-nvidia-uvm"]
+    # Every group name a current or older NVIDIA driver registers for GPUs, nvidiactl, UVM.
+    assert {"char-nvidia", "char-nvidia-frontend", "char-nvidia-uvm", "char-nvidia-caps"} <= set(
+        values(service, "Service", "DeviceAllow"))
     assert "PrivateDevices" not in options
     # Nothing the agent's environment holds for itself reaches the engines it starts.
     environment = values(service, "Service", "Environment")
@@ -230,11 +232,27 @@ def test_engines_pinned_from_nixpkgs(nix, tmp_path):
     assert agent["engines"]["custom"]["binary"].endswith("-jq-1.8.1/bin/jq")
     # The engine's package is in the agent's closure: nixos-rebuild builds it, nix copy
     # carries it.
-    assert rendered.config_file(rendered.exec_start("llmgw-agent.service")) in rendered.drvs
+    assert cuda in rendered.drvs
     assert values(rendered.units["llmgw-agent.service"], "Service", "ReadWritePaths") == [
         "-/var/lib/llmgw-weights", "-/srv/engines"]
     config = load_as_llmgw(agent, AgentConfig, tmp_path, "agent.yaml")
     assert config.engines["llama.cpp"].binary == f"{cuda}/bin/llama-server"
+
+
+def test_a_certificate_given_as_a_nix_path_travels_in_the_store(nix, tmp_path):
+    """A public file may be a Nix path: it is copied into the store with the system, so the
+    node reads it there, not at the path it had on the machine that evaluated it."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    (report,) = evaluate(nix, {"agent": f"""[ {AGENT} {{ services.llmgw.agent = {{
+        enable = true; settings.servers = [ "https://10.0.0.1:8443" ];
+        tls = {{ caFile = {ca}; certFile = "/var/lib/llmgw-agent/tls/node.pem";
+                keyFile = "/var/lib/llmgw-agent/tls/node-key.pem"; }}; }}; }} ]"""}).values()
+    assert report["failedAssertions"] == []
+    rendered = Rendered(nix, report)
+    tls = rendered.yaml_of(rendered.exec_start("llmgw-agent.service"))["tls"]
+    assert re.fullmatch(r"/nix/store/[0-9a-z]{32}-ca\.pem", tls["ca_file"]), tls
+    assert tls["key_file"] == "/var/lib/llmgw-agent/tls/node-key.pem"
 
 
 # --- refusals -------------------------------------------------------------------------------
@@ -265,6 +283,10 @@ REFUSED = {
     "tls-settings-without-files": (
         SERVER, 'enable = true; settings.tls.public_urls = [ "https://cp1:8080" ];',
         "services.llmgw.server.settings.tls is set but services.llmgw.server.tls is not"),
+    "password-in-store-url": (
+        SERVER, 'enable = true; settings.store.url = "postgresql+asyncpg://llmgw:hunter2@db/llmgw";',
+        "settings.store.url holds a password, which would be written into the world-readable "
+        "Nix store"),
     "password-without-postgresql": (SERVER, 'enable = true; storePasswordFile = "/run/secrets/db";',
                                     "storePasswordFile is for PostgreSQL"),
     "port-range-order": (AGENT, 'enable = true; settings.servers = [ "http://127.0.0.1:8080" ]; '
@@ -324,8 +346,37 @@ def test_a_typed_setting_cannot_be_overridden_silently(nix):
 
 
 def test_an_option_nobody_declared_fails_as_in_nixos(nix):
-    """Module checking is on: the old top-level options are gone, and say so."""
     error = failure(nix, f"""[ {SERVER} {{ services.llmgw.server = {{ enable = true;
-        listen.port = 9000; }}; }} ]""")
-    assert "The option `services.llmgw.server.listen' does not exist" in error
+        listenPort = 9000; }}; }} ]""")
+    assert "The option `services.llmgw.server.listenPort' does not exist" in error
 
+
+def test_the_earlier_options_still_apply_with_a_warning(nix, tmp_path):
+    """An operator's configuration of the earlier modules keeps working: each renamed
+    option warns, naming its new place, and its value lands there."""
+    systems = evaluate(nix, {
+        "server": f"""[ {SERVER} {{ services.llmgw.server = {{ enable = true;
+            listen = {{ host = "::1"; port = 9000; }}; logLevel = "debug";
+            engines = {{ }};
+            models = [ {{ name = "sim-small"; profiles = [ {{ engine = "sim"; }} ]; }} ];
+        }}; }} ]""",
+        "agent": f"""[ {AGENT} {{ services.llmgw.agent = {{ enable = true;
+            servers = [ "http://127.0.0.1:8080" ]; fabric = "ib-a"; portRange = [ 21000 21999 ];
+            weights.directories = [ {{ path = "/srv/weights"; }} ];
+        }}; }} ]""",
+    })
+    server, agent = systems["server"], systems["agent"]
+    assert any("services.llmgw.server.listen.port" in w and "has been renamed to" in w
+               and "services.llmgw.server.settings.listen.port" in w
+               for w in server["warnings"]), server["warnings"]
+    assert len(server["warnings"]) == 5 and len(agent["warnings"]) == 4
+    rendered = Rendered(nix, server)
+    written = rendered.yaml_of(rendered.script("llmgw-server.service"))
+    assert written["listen"]["port"] == 9000 and written["log_level"] == "debug"
+    assert written["engines"] == {} and written["models"][0]["name"] == "sim-small"
+    load_as_llmgw(written, ServerConfig, tmp_path, "server.yaml")
+    rendered = Rendered(nix, agent)
+    written = rendered.yaml_of(rendered.exec_start("llmgw-agent.service"))
+    assert (written["fabric"], written["port_range"]) == ("ib-a", [21000, 21999])
+    assert written["weights"]["directories"] == [{"path": "/srv/weights", "shared": False}]
+    load_as_llmgw(written, AgentConfig, tmp_path, "agent.yaml")
