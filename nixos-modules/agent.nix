@@ -60,12 +60,7 @@ in
   options.services.llmgw.agent = {
     enable = mkEnableOption "the llmgw agent on this node";
 
-    package = mkOption {
-      type = types.package;
-      default = packages.${pkgs.stdenv.hostPlatform.system}.llmgw;
-      defaultText = lib.literalExpression "llmgw.packages.\${pkgs.stdenv.hostPlatform.system}.llmgw";
-      description = "The llmgw package; `llmgw` is also put on the machine's PATH (doctor).";
-    };
+    package = shared.packageOption packages pkgs;
 
     openFirewall = mkOption {
       type = types.bool;

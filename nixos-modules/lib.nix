@@ -16,6 +16,14 @@ rec {
     inherit description;
   };
 
+  # A role's package: the flake's own llmgw unless set, and on the machine's PATH.
+  packageOption = packages: pkgs: mkOption {
+    type = types.package;
+    default = packages.${pkgs.stdenv.hostPlatform.system}.llmgw;
+    defaultText = lib.literalExpression "llmgw.packages.\${pkgs.stdenv.hostPlatform.system}.llmgw";
+    description = "The llmgw package; `llmgw` is also put on the machine's PATH (ctl, doctor).";
+  };
+
   # A file anyone may read (a certificate): a path on the machine, or a Nix path, which is
   # copied into the store with the system.
   publicFile = description: mkOption {

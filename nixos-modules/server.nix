@@ -63,12 +63,7 @@ in
   options.services.llmgw.server = {
     enable = mkEnableOption "the llmgw server: control plane and OpenAI-compatible gateway";
 
-    package = mkOption {
-      type = types.package;
-      default = packages.${pkgs.stdenv.hostPlatform.system}.llmgw;
-      defaultText = lib.literalExpression "llmgw.packages.\${pkgs.stdenv.hostPlatform.system}.llmgw";
-      description = "The llmgw package; `llmgw` is also put on the machine's PATH (ctl, doctor).";
-    };
+    package = shared.packageOption packages pkgs;
 
     openFirewall = mkOption {
       type = types.bool;
