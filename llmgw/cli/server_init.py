@@ -13,6 +13,10 @@ from there at every start, so keeping the CA beside it adds no new place to guar
       tls/                 0700
         ca.pem             the cluster CA: every node trusts it, every node cert chains to it
         server.pem         the server's certificate, for the addresses it is reached at
+
+Both listeners (``listen`` and ``tls.agent_listen``) go where the addresses say
+(``listen_host``): on the one IP address given, else on every interface. ``--listen``
+says where, whatever the addresses.
 """
 
 from __future__ import annotations
@@ -36,19 +40,59 @@ class InitError(Exception):
     """``server init`` cannot go on; the message says what to do."""
 
 
+def _interface_ips() -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    return [ipaddress.ip_address(address.address.split("%")[0])
+            for addresses in psutil.net_if_addrs().values() for address in addresses
+            if address.family in (socket.AF_INET, socket.AF_INET6)]
+
+
 def default_addresses() -> list[str]:
     """The names and addresses this machine is reached at: its hostname, each
     non-loopback, non-link-local address, then loopback."""
     found = [socket.gethostname()]
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            if address.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            ip = ipaddress.ip_address(address.address.split("%")[0])
-            if not (ip.is_loopback or ip.is_link_local):
-                found.append(str(ip))
+    found += [str(ip) for ip in _interface_ips() if not (ip.is_loopback or ip.is_link_local)]
     found += ["127.0.0.1", "localhost"]
     return list(dict.fromkeys(found))
+
+
+LOCALHOST = "localhost"
+ANY_IPV4, ANY_IPV6 = "0.0.0.0", "::"
+
+
+def listen_host(addresses: list[str]) -> str:
+    """Where the server listens, given the addresses it is reached at. One IP address:
+    that address (``localhost`` is served by a loopback address among them, else counts as
+    127.0.0.1). Anything else needs every interface, since one socket listens on one
+    address or on all, and a name may resolve to any of the machine's: ``::`` when every
+    address is an IPv6 one (the listeners are IPv6-only there), else ``0.0.0.0`` (IPv4
+    only)."""
+    ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    named = False
+    for address in addresses:
+        if address == LOCALHOST:
+            continue
+        try:
+            ips.add(ipaddress.ip_address(address))
+        except ValueError:
+            named = True
+    if LOCALHOST in addresses and not any(ip.is_loopback for ip in ips):
+        ips.add(ipaddress.IPv4Address("127.0.0.1"))
+    if len(ips) == 1 and not named:
+        return str(next(iter(ips)))
+    if ips and not named and all(ip.version == 6 for ip in ips):
+        return ANY_IPV6
+    return ANY_IPV4
+
+
+def check_listen(host: str) -> str:
+    """``--listen``'s value as server.yaml takes it: an IP address, brackets or not."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        raise InitError(f"--listen {host}: give an IP address of this machine, or "
+                        f"{ANY_IPV4} (every IPv4 interface) or {ANY_IPV6} (every IPv6 one); "
+                        "not a name") from None
 
 
 def _private_dir(path: Path) -> None:
@@ -62,9 +106,10 @@ def _url_host(host: str) -> str:
 
 def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
          force: bool = False, port: int = 8080, agent_port: int = 8443,
-         node_cert_days: float = 7.0) -> tuple[Path, str]:
+         node_cert_days: float = 7.0, listen: str | None = None) -> tuple[Path, str]:
     """Make the CA, the server certificate, the admin token and server.yaml in
-    ``directory``; returns (server.yaml's path, the CA's SHA-256 fingerprint)."""
+    ``directory``; returns (server.yaml's path, the CA's SHA-256 fingerprint). Both
+    listeners go on ``listen``, or where ``listen_host`` puts them for ``addresses``."""
     directory = directory.expanduser().resolve()
     secrets, tls = directory / "secrets", directory / "tls"
     config_path = directory / "server.yaml"
@@ -76,6 +121,7 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
             "certificate and server.yaml (then join every node again), or give another --dir")
     if not addresses:
         raise InitError("give at least one --address the server is reached at")
+    host = check_listen(listen) if listen is not None else listen_host(addresses)
     ca_key, ca_pem = pki.create_ca(kind=key_type)
     server_key, server_pem = pki.issue_server_cert(ca_key, ca_pem, addresses, kind=key_type)
     _private_dir(directory)
@@ -94,11 +140,11 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
     write_atomically(tls / "server.pem", server_pem, 0o644)
     public = [f"https://{_url_host(a)}:{port}" for a in addresses if a != "localhost"]
     config = ServerConfig(
-        listen=Listen(host="0.0.0.0", port=port), state_dir=str(directory),
+        listen=Listen(host=host, port=port), state_dir=str(directory),
         tls=ServerTls(ca_file=str(tls / "ca.pem"), ca_key_file=str(secrets / "ca.key"),
                       cert_file=str(tls / "server.pem"), key_file=str(secrets / "server.key"),
                       node_cert_days=node_cert_days,
-                      agent_listen=Listen(host="0.0.0.0", port=agent_port),
+                      agent_listen=Listen(host=host, port=agent_port),
                       public_urls=public))
     header = ("# Written by `llmgw server init`; see docs/configuration.md for every key.\n"
               "# Add models under `models:`.\n")
@@ -106,17 +152,34 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
     return config_path, pki.fingerprint(pki.load_cert(ca_pem))
 
 
+def _where(host: str, port: int, agent_port: int, chosen: bool) -> str:
+    shown = _url_host(host)
+    where = f"it listens on {shown}:{port} (API) and {shown}:{agent_port} (agent stream)"
+    if host in (ANY_IPV4, ANY_IPV6) and not chosen:
+        return (f"{where}: every {'IPv6' if host == ANY_IPV6 else 'IPv4'} interface, since "
+                "the addresses are not one IP address; --listen IP chooses one")
+    return where
+
+
 def run(args: argparse.Namespace) -> int:
     addresses = args.address or default_addresses()
     try:
+        host = check_listen(args.listen) if args.listen is not None else listen_host(addresses)
         config_path, fingerprint = init(Path(args.dir), addresses, args.key_type,
                                         force=args.force, port=args.port,
-                                        agent_port=args.agent_port)
+                                        agent_port=args.agent_port, listen=host)
     except (InitError, pki.PkiError, OSError) as err:
         print(f"llmgw server init: {err}", file=sys.stderr)
         return 2
     print(f"wrote {config_path} and the cluster CA (SHA-256 {fingerprint})")
     print(f"the server certificate names: {', '.join(addresses)}")
+    print(_where(host, args.port, args.agent_port, args.listen is not None))
+    ip = ipaddress.ip_address(host.split("%")[0])
+    if not (ip.is_unspecified or ip.is_loopback or ip in _interface_ips()):
+        print(f"llmgw server init: warning: {host} is not an address of this machine, so a "
+              "server started here cannot listen on it; if the machine is reached at it "
+              "through NAT, set listen.host and tls.agent_listen.host in server.yaml to one "
+              f"of its own addresses, or {ANY_IPV4} for every interface", file=sys.stderr)
     print(f"start it with: llmgw server --config {config_path}")
     print("then add a node with: llmgw ctl nodes add NAME")
     return 0
@@ -133,6 +196,11 @@ def add_parser(server_commands) -> None:
     p.add_argument("--address", action="append", metavar="HOST",
                    help="a name or IP address the server is reached at (repeat it); default: "
                    "this machine's hostname and addresses, 127.0.0.1 and localhost")
+    p.add_argument("--listen", metavar="IP",
+                   help="the address both listeners (API and agent stream) bind, 0.0.0.0 or "
+                   ":: for every interface; default: the --address when it is one IP "
+                   "address (localhost counts as 127.0.0.1), else 0.0.0.0 (:: when every "
+                   "address is IPv6)")
     p.add_argument("--key-type", choices=pki.KEY_KINDS, default="ecdsa",
                    help="the CA's and server's key type (default ecdsa, P-256)")
     p.add_argument("--port", type=int, default=8080,

@@ -168,7 +168,15 @@ def test_signup_modes_and_the_session_cookie(cluster):
     with httpx.Client(base_url=cluster.base_url) as browser:
         assert browser.post("/api/auth/login", json=form).status_code == 200
         assert browser.get("/api/me").json() == {"username": "carol", "role": "user"}
-        assert browser.post("/api/auth/logout").status_code == 200
+        # What a form on another site could send, were the cookie sent with it: refused.
+        forged = browser.post("/api/keys", content=b'{"name": "forged"}',
+                              headers={"content-type": "text/plain"})
+        assert forged.status_code == 415, forged.text
+        assert "Content-Type: application/json" in forged.json()["error"]["message"]
+        assert browser.post("/api/keys", json={"name": "page"}).status_code == 201
+        assert browser.post("/api/auth/logout").status_code == 415  # no JSON: still in
+        assert browser.post("/api/auth/logout",
+                            headers={"content-type": "application/json"}).status_code == 200
         assert browser.get("/api/me").status_code == 401
 
 

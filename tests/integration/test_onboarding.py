@@ -72,11 +72,11 @@ class Onboarded:
                      "--address", "localhost", "--port", str(self.port),
                      "--agent-port", str(self.agent_port))
         assert done.returncode == 0, done.stderr
-        # Loopback only in a test, and quick node timeouts: edit what init wrote.
+        # Told loopback, init listens there and nowhere else: the test runs what it wrote.
         path = self.dir / "server.yaml"
         config = yaml.safe_load(path.read_text())
-        config["listen"]["host"] = "127.0.0.1"
-        config["tls"]["agent_listen"]["host"] = "127.0.0.1"
+        assert config["listen"]["host"] == config["tls"]["agent_listen"]["host"] == "127.0.0.1"
+        # Quick node timeouts: edit what init wrote.
         config["nodes"] = {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3,
                            "lost_after_s": 8}
         config["controller"] = {"interval_s": 0.5}
@@ -165,6 +165,8 @@ def test_server_init_writes_private_files_and_refuses_to_replace_a_ca(tmp_path) 
     assert san.get_values_for_type(x509.DNSName) == ["cp.example.org"]
     assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.1.2.3"]
     assert config.tls.public_urls == ["https://10.1.2.3:8080", "https://cp.example.org:8080"]
+    # An address and a name: one socket cannot listen on just those, so every interface.
+    assert config.listen.host == config.tls.agent_listen.host == "0.0.0.0"
     token = (directory / "secrets/admin-token").read_text()
 
     again = llmgw("server", "init", "--dir", str(directory), "--address", "10.1.2.3")

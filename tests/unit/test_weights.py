@@ -8,11 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import pwd
 import stat
 import subprocess
-import sys
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -456,31 +455,63 @@ def test_cli_manifest_failure_exits_1(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
 
 
+def _in_a_child_as_nobody(cwd: Path, work: Callable[[], object]) -> object:
+    """``work()``'s JSON-able result, computed in a forked child that entered ``cwd`` and
+    then, when the test runs as root (who reads anything), became nobody for good: real,
+    effective and saved ids, no groups, no capabilities left. A fork, not a new interpreter:
+    the child has every module it needs already, so it reads nothing from the checkout, the
+    virtualenv or the Python install, wherever they lie and whoever may read them."""
+    nobody = pwd.getpwnam("nobody") if os.geteuid() == 0 else None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: whatever happens, it reports and exits here, never returns
+        try:
+            os.close(read_end)
+            os.chdir(cwd)
+            if nobody is not None:
+                os.setgroups([])
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+            status = Path("/proc/self/status")
+            caps = [line.split()[1] for line in status.read_text().splitlines()
+                    if line.startswith("CapEff:")] if status.exists() else []
+            report = {"ids": [*os.getresuid(), *os.getresgid()], "caps": caps,
+                      "result": work()}
+        except BaseException as err:  # the parent reports it
+            report = {"error": repr(err)}
+        try:
+            with os.fdopen(write_end, "w") as out:
+                out.write(json.dumps(report))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as got:
+        report = json.loads(got.read() or '{"error": "the child died without a word"}')
+    os.waitpid(pid, 0)
+    assert "error" not in report, report["error"]
+    if nobody is not None:
+        assert 0 not in report["ids"], f"the child still runs as root: {report['ids']}"
+        assert all(int(c, 16) == 0 for c in report["caps"]), report["caps"]
+    return report["result"]
+
+
 def test_an_unreadable_directory_is_noted(tmp_path):
     """Permission denied, as the agent's user meets it: root reads anything, so as root the
-    scan runs in a child process as nobody."""
-    base = Path(tempfile.mkdtemp(prefix="llmgw-weights-"))  # nobody cannot enter tmp_path
+    scan runs in a child process as nobody. The child enters tmp_path before it gives up
+    root, so where tmp_path lies (a private directory, say) does not matter: paths are
+    looked up from there, and tmp_path itself is opened to everyone."""
+    tmp_path.chmod(0o755)
+    (tmp_path / "locked").mkdir(mode=0o000)
+    (tmp_path / "sealed").mkdir()
+    (tmp_path / "sealed" / "m").mkdir(mode=0o000)
     try:
-        base.chmod(0o755)
-        (base / "locked").mkdir(mode=0o000)
-        (base / "sealed").mkdir()
-        (base / "sealed" / "m").mkdir(mode=0o000)
-        code = ("import json, sys; from llmgw.agent.weights import WeightsStore; "
-                "print(json.dumps([d.note for d in WeightsStore([(sys.argv[1], False), "
-                "(sys.argv[2], False)]).scan()]))")
-        argv = [sys.executable, "-c", code, str(base / "locked"), str(base / "sealed")]
-        if os.geteuid() == 0:
-            argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                             cwd=Path(__file__).resolve().parents[2])
-        assert run.returncode == 0, run.stderr
-        assert json.loads(run.stdout) == [
-            f"cannot read {base / 'locked'}: Permission denied",
-            f"m: cannot read {MANIFEST}: Permission denied"]
+        store = WeightsStore([("locked", False), ("sealed", False)])
+        notes = _in_a_child_as_nobody(tmp_path, lambda: [d.note for d in store.scan()])
     finally:
-        for d in (base / "locked", base / "sealed" / "m"):
+        for d in (tmp_path / "locked", tmp_path / "sealed" / "m"):
             d.chmod(0o755)
-        shutil.rmtree(base)
+    assert notes == ["cannot read locked: Permission denied",
+                     f"m: cannot read {MANIFEST}: Permission denied"]
 
 
 def test_the_store_from_agent_yaml_reads_the_token_file(tmp_path):

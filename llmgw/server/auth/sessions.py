@@ -3,6 +3,14 @@
 A session token is random and only its SHA-256 is stored. The page gets it as an
 HttpOnly, SameSite=Strict cookie, which scripts cannot read and other sites cannot send;
 the CLI gets it once, as a bearer token.
+
+SameSite is not the only guard: a request that changes something and is carried by the
+cookie must say ``Content-Type: application/json``, body or not. A form on another site
+can send only urlencoded, multipart or text/plain bodies, and a script on another site
+that sets the JSON type must first ask (a CORS preflight), which this server never grants.
+The check is made where the cookie is read (``session_token``), so no handler can miss it.
+A bearer token (the admin token, or a session in ``Authorization``) is never sent by a
+browser on its own, and needs no such check.
 """
 
 from __future__ import annotations
@@ -16,10 +24,13 @@ from litestar import Request
 
 from llmgw.server.auth.admin_token import admin_token_ok
 from llmgw.server.auth.keys import bearer
+from llmgw.server.errors import ApiError
 from llmgw.store import SessionRecord, Store
 
 SESSION_PREFIX = "llmgws_"
 COOKIE = "llmgw_session"
+# Methods that change nothing on /api; every other one needs JSON when the cookie carries it.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def _hash(token: str) -> str:
@@ -56,11 +67,25 @@ class Principal:
 ADMIN_TOKEN_HOLDER = Principal(None, "(admin token)", "admin")
 
 
+def _is_json(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
+
 def session_token(request: Request) -> str | None:
+    """The session a request carries: a bearer ``llmgws_`` token, else the cookie. A
+    cookie on a request that may change something is taken only with a JSON content type
+    (see the module's docstring); without one the request is refused with 415."""
     token = bearer(request.headers.get("authorization"))
     if token and token.startswith(SESSION_PREFIX):
         return token
-    return request.cookies.get(COOKIE)
+    cookie = request.cookies.get(COOKIE)
+    if (cookie and request.method.upper() not in SAFE_METHODS
+            and not _is_json(request.headers.get("content-type"))):
+        raise ApiError(415, f"a {request.method.upper()} with the session cookie must be sent "
+                       "with `Content-Type: application/json`, even without a body (a form on "
+                       "another site cannot send that); or send the session as "
+                       "`Authorization: Bearer llmgws_…`", code="json_required")
+    return cookie
 
 
 async def resolve(request: Request) -> Principal | None:
