@@ -166,6 +166,13 @@ def test_signup_modes_and_the_session_cookie(cluster):
     assert again.status_code == 403, "an invite is single-use"
 
     with httpx.Client(base_url=cluster.base_url) as browser:
+        # A form on another site must not log the browser in as someone (login CSRF).
+        as_form = browser.post("/api/auth/login", content=json.dumps(form).encode(),
+                               headers={"content-type": "text/plain"})
+        assert as_form.status_code == 415 and "set-cookie" not in as_form.headers
+        signup_form = browser.post("/api/auth/signup", content=json.dumps(form).encode(),
+                                   headers={"content-type": "text/plain"})
+        assert signup_form.status_code == 415, signup_form.text
         assert browser.post("/api/auth/login", json=form).status_code == 200
         assert browser.get("/api/me").json() == {"username": "carol", "role": "user"}
         # What a form on another site could send, were the cookie sent with it: refused.

@@ -18,7 +18,13 @@ from litestar.params import FromPath
 
 from llmgw.core.names import NameRuleError, check_username
 from llmgw.server.admin.common import Input, body, client_address, require
-from llmgw.server.auth.sessions import COOKIE, close_session, open_session, session_token
+from llmgw.server.auth.sessions import (
+    COOKIE,
+    close_session,
+    open_session,
+    require_json,
+    session_token,
+)
 from llmgw.server.errors import ApiError
 from llmgw.store import AccountRecord, InviteRecord, InviteUnusable, UsernameTaken
 
@@ -94,6 +100,7 @@ def _session_cookie(response: Response, request: Request, token: str, expires: d
 
 async def _login(request: Request) -> tuple[AccountRecord, str, datetime]:
     state = request.app.state
+    require_json(request, "a login")
     creds = await body(request, Credentials)
     _throttled(request)
     account = await state.store.find_account(creds.username.strip().lower())
@@ -138,6 +145,7 @@ async def logout(request: Request) -> Response:
 @post("/api/auth/signup", status_code=201)
 async def signup(request: Request) -> Response:
     state = request.app.state
+    require_json(request, "a signup")
     form = await body(request, Signup)
     mode = await state.store.get_setting("signup", "closed")
     if mode == "closed":

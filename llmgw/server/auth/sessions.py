@@ -10,7 +10,8 @@ can send only urlencoded, multipart or text/plain bodies, and a script on anothe
 that sets the JSON type must first ask (a CORS preflight), which this server never grants.
 The check is made where the cookie is read (``session_token``), so no handler can miss it.
 A bearer token (the admin token, or a session in ``Authorization``) is never sent by a
-browser on its own, and needs no such check.
+browser on its own, and needs no such check. Login and signup, which set the cookie, need
+JSON too: a form on another site must not log a browser in as someone else.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
+def require_json(request: Request, what: str, otherwise: str = "") -> None:
+    """Refuse (415) a request a form on another site could have sent: one without
+    ``Content-Type: application/json``. ``what`` names the request in the message,
+    ``otherwise`` adds another way to send it."""
+    if not _is_json(request.headers.get("content-type")):
+        raise ApiError(415, f"{what} must be sent with `Content-Type: application/json`, "
+                       f"even without a body (a form on another site cannot send that){otherwise}",
+                       code="json_required")
+
+
 def session_token(request: Request) -> str | None:
     """The session a request carries: a bearer ``llmgws_`` token, else the cookie. A
     cookie on a request that may change something is taken only with a JSON content type
@@ -79,12 +90,9 @@ def session_token(request: Request) -> str | None:
     if token and token.startswith(SESSION_PREFIX):
         return token
     cookie = request.cookies.get(COOKIE)
-    if (cookie and request.method.upper() not in SAFE_METHODS
-            and not _is_json(request.headers.get("content-type"))):
-        raise ApiError(415, f"a {request.method.upper()} with the session cookie must be sent "
-                       "with `Content-Type: application/json`, even without a body (a form on "
-                       "another site cannot send that); or send the session as "
-                       "`Authorization: Bearer llmgws_…`", code="json_required")
+    if cookie and request.method.upper() not in SAFE_METHODS:
+        require_json(request, f"a {request.method.upper()} with the session cookie",
+                     "; or send the session as `Authorization: Bearer llmgws_…`")
     return cookie
 
 
