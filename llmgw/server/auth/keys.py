@@ -155,35 +155,70 @@ async def check_api_key(store: Store, key: str, now: datetime) -> ApiKeyRecord |
 
 
 class KeyCache:
-    """What the store said of each API key in use, trusted for ``ttl_s``: a request reads
-    the store only when its key was not read within that time, not on every request (on
-    SQLite that read cost ten times the rest of a proxied request). Requests that find a
-    key missing or stale at once share one read.
+    """What the store said of each API key id in use, whether it has that key or not,
+    trusted for ``ttl_s``: a request reads the store only when its key's id was not read
+    within that time, not on every request (on SQLite that read cost ten times the rest of
+    a proxied request).
+
+    **Unknown ids are remembered too** (``max_unknown`` of them, the ones read longest ago
+    forgotten first), for the same ``ttl_s`` as keys the store has, and refreshed the same
+    way. Were such an id read on every request, its answer would take a store read longer
+    than a known id's with a wrong secret (about 2 ms against 0.5 on SQLite), telling
+    whether an id exists, and any client could make every request cost a store read. A
+    second request naming the same id is answered from memory either way, with the same work
+    (the key's SHA-256 compared in constant time) and the same answer, ``the API key is
+    not valid``. What still differs is the first request naming an id not read lately: it
+    reads the store whether the id exists or not; only a key in use is answered at once,
+    and naming it needs its id, 71 random bits.
+
+    **Reads of ids not known are batched, one at a time**: the ids that miss while a read
+    is on its way wait for it to end and are then read together, in one query per 500
+    (``Store.find_api_keys``). A flood of made-up ids, each new, thus costs at most one key
+    read in flight at any moment, in batches as large as the flood is wide, not a read per
+    request; and requests for the same id share one read.
+
+    Memory is bounded: at most ``max_keys`` known and ``max_unknown`` unknown ids, and
+    the ids waiting for a read are those of requests in progress.
 
     A change made through this server (revoked, limits changed, owner disabled) takes
     effect at once: the admin routes call ``forget``. One made through another server
-    sharing the store takes effect here within ``ttl_s``. Only keys the store has are
-    kept, so made-up keys cannot fill it; their every request reads the store, as before.
+    sharing the store takes effect here within ``ttl_s``, and that includes a key made
+    there whose id was asked for here before it existed: an id remembered as unknown is
+    trusted no longer than a revoked key would be. (A key made through this server has a
+    new random id, which nobody asked for before, so it works at once.)
 
-    ``run`` reads again, every ``ttl_s / 2`` and in a query per 500 keys, every key used
-    since it last did, and drops the keys not used: a key in use never expires (for a ttl
-    of at least twice ``_MIN_REFRESH_S``), so its requests never wait for a read, and many
-    keys in use cost a query per 500, not one each.
+    ``run`` reads again, every ``ttl_s / 2`` and in a query per 500 ids, every id used
+    since it last did, known or not, and drops the ids not used: a key in use never
+    expires (for a ttl of at least twice ``_MIN_REFRESH_S``), so its requests never wait
+    for a read, and many keys in use cost a query per 500, not one each. An unknown id
+    that the store now has (made elsewhere) is seen at that read.
     """
 
     def __init__(self, store: Store, ttl_s: float, max_keys: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_unknown: int = 10_000):
         self._store = store
         self._clock = clock
         self._ttl_s = ttl_s
         self._max_keys = max_keys
+        self._max_unknown = max_unknown
         # prefix -> (what the store said, clock time until which it is trusted)
         self._known: dict[str, tuple[_Known, float]] = {}
-        self._reading: dict[str, asyncio.Task[_Known | None]] = {}
+        # prefix the store did not have -> clock time until which that is trusted
+        self._unknown: dict[str, float] = {}
+        # The ids waiting for a read (queued, or in the read on its way) -> what it found.
+        self._waiting: dict[str, asyncio.Future[_Known | None]] = {}
+        self._queued: list[str] = []  # for the next read
+        self._reader: asyncio.Task[None] | None = None
         # Bumped by forget: a read begun before a change must not be kept after it.
         self._generation = 0
-        # The keys checked since the last refresh: the ones it reads again.
+        # The ids checked since the last refresh: the ones it reads again. Only ids held
+        # in _known or _unknown: what leaves them leaves this too.
         self._used: set[str] = set()
+
+    @property
+    def size(self) -> int:
+        """How many ids are remembered, known or not."""
+        return len(self._known) + len(self._unknown)
 
     async def check(self, key: str, now: datetime | None = None) -> ApiKeyRecord | str:
         """The key's record, or why it was refused, as check_api_key; ``now`` by default
@@ -197,11 +232,11 @@ class KeyCache:
         prefix = key_id(key)
         if prefix is None:
             return _MALFORMED
-        reading = self._reading.get(prefix)
-        if reading is None:
-            reading = self._reading[prefix] = asyncio.create_task(self._read(prefix))
-        # Shielded: a request that goes away does not cancel the read for the others.
-        known = await asyncio.shield(reading)
+        if self._absent(prefix):
+            # The work of a wrong secret (a known id's path above), for the same answer.
+            hmac.compare_digest(_NO_DIGEST, _digest(key))
+            return _NOT_VALID
+        known = await self._read(prefix)
         return _NOT_VALID if known is None else known.judge(key, now)
 
     def good_now(self, key: str, memo: dict | None = None) -> ApiKeyRecord | None:
@@ -211,7 +246,13 @@ class KeyCache:
         ``memo``, a dict kept as long as the client's connection, the key is hashed once
         for as long as the connection sends it (``_digest_once``)."""
         known = self._fresh(key)
-        if known is None or known.limited:
+        if known is None:
+            if len(key) == KEY_LEN and self._absent(key[:_PREFIX_LEN]):
+                # Hashed as a wrong secret is, below: the two take the same time.
+                hmac.compare_digest(_NO_DIGEST, _digest(key) if memo is None
+                                    else _digest_once(key, memo))
+            return None
+        if known.limited:
             return None
         verdict = known.judge(key, None, None if memo is None else _digest_once(key, memo))
         return None if isinstance(verdict, str) else verdict
@@ -226,31 +267,76 @@ class KeyCache:
         self._used.add(head)
         return cached[0]
 
-    async def _read(self, prefix: str) -> _Known | None:
-        generation = self._generation
-        until = self._clock() + self._ttl_s  # from before the read: never trusted longer
-        try:
-            known = await _lookup(self._store, prefix)
-        finally:
-            del self._reading[prefix]
-        if known is not None and self._ttl_s > 0 and generation == self._generation:
-            self._keep(prefix, known, until)
-            self._used.add(prefix)
-        return known
+    def _absent(self, prefix: str) -> bool:
+        """Whether the store did not have the id when it was read lately."""
+        until = self._unknown.get(prefix)
+        if until is None or until <= self._clock():
+            return False
+        self._used.add(prefix)
+        return True
 
-    def _keep(self, prefix: str, known: _Known, until: float) -> None:
+    async def _read(self, prefix: str) -> _Known | None:
+        """What the store has of the id: read with every other id that misses meanwhile."""
+        waiting = self._waiting.get(prefix)
+        if waiting is None:
+            waiting = self._waiting[prefix] = asyncio.get_running_loop().create_future()
+            # A request gone before its answer came must not leave an error unretrieved.
+            waiting.add_done_callback(_retrieve)
+            self._queued.append(prefix)
+            if self._reader is None:
+                self._reader = asyncio.create_task(self._read_queued())
+        # Shielded: a request that goes away does not cancel the read for the others.
+        return await asyncio.shield(waiting)
+
+    async def _read_queued(self) -> None:
+        """Read the queued ids, those queued meanwhile next, until none is left."""
+        try:
+            while self._queued:
+                batch, self._queued = self._queued, []
+                generation = self._generation
+                until = self._clock() + self._ttl_s  # from before the read: never longer
+                try:
+                    found = await self._store.find_api_keys(batch)
+                except Exception as err:
+                    for prefix in batch:
+                        self._waiting.pop(prefix).set_exception(err)
+                    continue
+                by_id = {record.prefix: _known(record, enabled) for record, enabled in found}
+                keep = self._ttl_s > 0 and generation == self._generation
+                for prefix in batch:
+                    known = by_id.get(prefix)
+                    if keep:
+                        self._keep(prefix, known, until)
+                        self._used.add(prefix)
+                    self._waiting.pop(prefix).set_result(known)
+        finally:
+            self._reader = None
+            if self._queued or self._waiting:  # cancelled (the server stopping)
+                for waiting in self._waiting.values():
+                    waiting.cancel()
+                self._waiting.clear()
+                self._queued.clear()
+
+    def _keep(self, prefix: str, known: _Known | None, until: float) -> None:
+        """Remember what the store said of the id, in place of what it said before; the
+        id read longest ago makes room when full."""
         self._known.pop(prefix, None)
-        if len(self._known) >= self._max_keys:
-            del self._known[next(iter(self._known))]  # the one read longest ago
-        self._known[prefix] = (known, until)
+        self._unknown.pop(prefix, None)
+        kept: dict = self._known if known is not None else self._unknown
+        if len(kept) >= (self._max_keys if known is not None else self._max_unknown):
+            oldest = next(iter(kept))
+            del kept[oldest]
+            self._used.discard(oldest)
+        kept[prefix] = (known, until) if known is not None else until
 
     async def refresh(self) -> None:
-        """Read again, in one go, every key used since the last refresh; forget the rest
-        (each is read at its next use)."""
+        """Read again, in one go, every id used since the last refresh, known or not;
+        forget the rest (each is read at its next use)."""
         used, self._used = self._used, set()
-        for prefix in [p for p in self._known if p not in used]:
-            del self._known[prefix]
-        wanted = [p for p in used if p in self._known]
+        for kept in (self._known, self._unknown):
+            for prefix in [p for p in kept if p not in used]:
+                del kept[prefix]
+        wanted = [p for p in used if p in self._known or p in self._unknown]
         if not wanted:
             return
         generation = self._generation
@@ -258,11 +344,9 @@ class KeyCache:
         found = await self._store.find_api_keys(wanted)
         if generation != self._generation:
             return  # a forget came meanwhile: what was read may be older than it
-        for record, owner_enabled in found:
-            self._keep(record.prefix, _known(record, owner_enabled), until)
-        gone = set(wanted).difference(record.prefix for record, _ in found)
-        for prefix in gone:  # deleted from the store
-            self._known.pop(prefix, None)
+        by_id = {record.prefix: _known(record, enabled) for record, enabled in found}
+        for prefix in wanted:  # one the store no longer has is remembered as unknown
+            self._keep(prefix, by_id.get(prefix), until)
 
     async def run(self) -> None:
         """``refresh`` every ``ttl_s / 2`` (at most once every ``_MIN_REFRESH_S``) until
@@ -284,8 +368,21 @@ class KeyCache:
         self._generation += 1
         if prefix is None:
             self._known.clear()
+            self._unknown.clear()
+            self._used.clear()
         else:
             self._known.pop(prefix, None)
+            self._unknown.pop(prefix, None)
+            self._used.discard(prefix)
+
+
+# What an unknown id's key is compared with, as a known id's stored hash would be.
+_NO_DIGEST = bytes(hashlib.sha256().digest_size)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def bearer(authorization: str | None) -> str | None:
