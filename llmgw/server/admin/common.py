@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
@@ -28,10 +28,30 @@ async def require(request: Request, *, admin: bool = False) -> Principal:
     return principal
 
 
+def decode_json(raw: bytes, kind: Any = Any) -> Any:
+    """A JSON body, every way it can be malformed a 400 that names it; a body that does not
+    fit ``kind`` raises msgspec's ValidationError for the caller to word."""
+    try:
+        return msgspec.json.decode(raw, type=kind, strict=True)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}",
+                       code="invalid_json") from None
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({err.reason} at byte "
+                       f"{err.start}); a JSON body must be UTF-8", code="invalid_json") from None
+    except RecursionError:
+        # msgspec recurses once a level, as deep as CPython's recursion limit lets it
+        # (about 980 levels on Python 3.11); no body here nests more than a few.
+        raise ApiError(400, "the JSON body is nested too deeply: a few levels are all any "
+                       "request here needs", code="invalid_json") from None
+
+
 async def body(request: Request, kind: type[T]) -> T:
     raw = await request.body()
     try:
-        return msgspec.json.decode(raw or b"{}", type=kind, strict=True)
+        return decode_json(raw or b"{}", kind)
     except msgspec.ValidationError as err:
         text = str(err)
         field = text.rsplit("$.", 1)[-1].rstrip("`") if "$." in text else None
@@ -41,9 +61,6 @@ async def body(request: Request, kind: type[T]) -> T:
                            code="unknown_field") from None
         raise ApiError(400, f"invalid request: {text.replace('`', '')}", param=field,
                        code="invalid_value") from None
-    except msgspec.DecodeError as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}",
-                       code="invalid_json") from None
 
 
 def client_address(request: Request) -> str:

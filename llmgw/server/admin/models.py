@@ -24,7 +24,7 @@ from litestar.params import FromPath
 
 from llmgw import config
 from llmgw.core.catalog import Catalog, CatalogError, Model, model_from_config
-from llmgw.server.admin.common import Input, body, require
+from llmgw.server.admin.common import Input, body, decode_json, require
 from llmgw.server.errors import ApiError
 from llmgw.store import Store, StoredModel
 
@@ -214,11 +214,7 @@ async def list_models(request: Request) -> list[dict]:
 @post("/api/models", status_code=201)
 async def add_model(request: Request) -> dict:
     await require(request, admin=True)
-    try:
-        data = msgspec.json.decode(await request.body() or b"null")
-    except msgspec.DecodeError as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}",
-                       code="invalid_json") from None
+    data = decode_json(await request.body() or b"null")
     try:
         raw, _ = parse_model(data)
     except ModelError as err:
