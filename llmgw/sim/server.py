@@ -2,7 +2,10 @@
 
 It behaves like a real engine where the gateway and the agent can tell: it binds the
 port it is given, answers /health only when its whole group is ready, streams tokens at
-a set pace and stops work when a client goes away. What it says is fake but stable: the
+a set pace and stops work when a client goes away. However many tokens are asked for, it
+generates them one at a time as they are sent, a reply at most ``CONTEXT_TOKENS`` long
+(as a real engine's context bounds it), and gives its loop a turn between tokens, so
+that it keeps answering /health while it generates. What it says is fake but stable: the
 reply is a function of the prompt, so a test can compare two paths by their bytes.
 Rank 0 serves HTTP; ranks >= 1 only hold their place in the group (see rendezvous.py).
 """
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+import itertools
 import logging
 import math
 import random
@@ -22,7 +26,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,6 +38,12 @@ log = logging.getLogger("llmgw.sim")
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 16
+# The longest reply, whatever max_tokens says (finish_reason "length"): a non-streamed
+# one is held whole, a few hundred KB at most.
+CONTEXT_TOKENS = 32768
+# Generating faster than the pace (or with none), the loop gets a turn every so many
+# tokens.
+_TOKENS_PER_TURN = 64
 SHUTDOWN_GRACE_S = 0.25
 VOCABULARY = (
     "the", "cluster", "serves", "a", "token", "model", "node", "replica", "quietly", "and",
@@ -107,11 +117,14 @@ def _rng(text: str) -> random.Random:
     return random.Random(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big"))
 
 
-def reply_tokens(prompt: str, count: int) -> list[str]:
-    """The reply to a prompt, as tokens whose concatenation is the reply text."""
+def reply_tokens(prompt: str) -> Iterator[str]:
+    """The reply to a prompt, token by token and without end: the first n tokens,
+    concatenated, are the text of a reply n tokens long."""
     rng = _rng(prompt)
-    words = [VOCABULARY[int(rng.random() * len(VOCABULARY))] for _ in range(count)]
-    return [word if i == 0 else " " + word for i, word in enumerate(words)]
+    separator = ""
+    while True:
+        yield separator + VOCABULARY[int(rng.random() * len(VOCABULARY))]
+        separator = " "
 
 
 def embedding(text: str, dim: int) -> list[float]:
@@ -233,25 +246,29 @@ class SimServer:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return await self._complete(request, False, prompt, limit, body.stream, usage)
 
-    async def _paced(self, tokens: list[str]) -> AsyncIterator[str]:
-        """Yield each token at its due time (deadline-based, so pacing does not drift)."""
+    async def _paced(self, tokens: Iterator[str]) -> AsyncIterator[str]:
+        """Yield each token at its due time (deadline-based, so pacing does not drift);
+        behind the pace, or with none, give the loop a turn every few tokens."""
         loop = asyncio.get_running_loop()
         start = loop.time()
+        pace = self.tokens_per_second
         for i, token in enumerate(tokens):
-            if self.tokens_per_second > 0:
-                delay = start + (i + 1) / self.tokens_per_second - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            delay = start + (i + 1) / pace - loop.time() if pace > 0 else 0.0
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif i % _TOKENS_PER_TURN == _TOKENS_PER_TURN - 1:
+                await asyncio.sleep(0)
             yield token
 
     async def _complete(self, request: web.Request, chat: bool, prompt: str,
                         limit: int | None, stream: bool, include_usage: bool,
                         ) -> web.StreamResponse:
-        tokens = reply_tokens(prompt, limit if limit is not None else DEFAULT_MAX_TOKENS)
+        count = min(limit if limit is not None else DEFAULT_MAX_TOKENS, CONTEXT_TOKENS)
+        tokens = itertools.islice(reply_tokens(prompt), count)
         finish = "length" if limit is not None else "stop"
         prompt_tokens = len(prompt.split())
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                 "total_tokens": prompt_tokens + len(tokens)}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count,
+                 "total_tokens": prompt_tokens + count}
         head: dict[str, Any] = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -266,9 +283,7 @@ class SimServer:
                     "logprobs": None, "finish_reason": reason}
 
         if not stream:
-            async for _ in self._paced(tokens):
-                pass
-            text = "".join(tokens)
+            text = "".join([token async for token in self._paced(tokens)])
             if chat:
                 head["object"] = "chat.completion"
                 result = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -365,6 +380,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rendezvous", metavar="HOST:PORT",
                         help="leader's rendezvous address (required when world size > 1)")
     parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--keepalive-timeout", type=float, default=75.0, metavar="SECONDS",
+                        help="how long an idle kept-alive connection is kept before the "
+                        "engine closes it (llama-server and vLLM: 5)")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.tokens_per_second) and args.tokens_per_second >= 0):
         parser.error("--tokens-per-second must be a finite number >= 0")
@@ -372,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--rank {args.rank} must be in 0..world size-1 ({args.world_size - 1})")
     if args.embedding_dim < 1:
         parser.error("--embedding-dim must be at least 1")
+    if not (math.isfinite(args.keepalive_timeout) and args.keepalive_timeout > 0):
+        parser.error("--keepalive-timeout must be a finite number > 0")
     if args.rank == 0 and (args.port is None or not 0 <= args.port <= 65535):
         parser.error("--port (0..65535) is required for rank 0")
     if args.world_size > 1 and args.rendezvous is None:
@@ -388,7 +408,8 @@ async def _run_leader(args: argparse.Namespace, stop: asyncio.Event) -> int:
     group = Group(args.world_size, args.model) if args.world_size > 1 else None
     sim = SimServer(args.model, args.tokens_per_second, args.embedding_dim, group)
     runner = web.AppRunner(sim.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S,
+                           keepalive_timeout=args.keepalive_timeout)
     await runner.setup()
     try:
         if group is not None:

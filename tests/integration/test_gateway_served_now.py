@@ -154,7 +154,10 @@ async def test_an_engine_refusing_with_503_hands_the_request_back_before_a_byte_
         await stack.aclose()
 
 
-async def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_new_one():
+async def test_a_request_the_engine_read_then_hung_up_on_is_a_502_and_not_sent_again():
+    # As an engine that dies while generating: it read the request (its TCP acknowledged
+    # it), so it may have been working on it. (A kept-alive connection the engine had
+    # closed before the request reached it is sent again: test_gateway_engine_failures.py.)
     async def hang_up(reader, writer) -> bool:
         return False  # read the request, closed without a word
 
@@ -163,8 +166,13 @@ async def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_new_one
     try:
         status, body, _ = await _post(http, url)
         assert front.served_now == 1
-        assert (status, body) == (200, STREAM), body
-        assert script.requests == 3
+        assert status == 502, body
+        error = json.loads(body)["error"]
+        assert error["code"] == "upstream_error"
+        assert error["message"] == ("r0: the engine closed the connection before answering; "
+                                    "not retried: the engine may have been working on it")
+        assert script.requests == 2
+        assert front.state.router.in_flight() == {"r0": 0}
     finally:
         await stack.aclose()
 
@@ -303,14 +311,18 @@ async def test_an_engine_switching_protocols_is_refused_on_either_path():
 
     stack, url, front, http, _ = await _served(Script(whole_stream, switch))
     try:
-        # First from callbacks (on the connection the first request left open), handed
-        # back to the task path; then through the task path alone (that connection was
-        # dropped). Neither relays the 101 or waits for ever.
+        # First from callbacks (on the connection the first request left open), then
+        # through the task path alone (that connection was dropped). Neither relays the
+        # 101 or waits for ever, and neither sends the request again: the engine answered.
         for _ in range(2):
             status, body, _ = await _post(http, url)
-            assert status == 503, body
+            assert status == 502, body
             error = json.loads(body)["error"]
-            assert "r0: the engine answered by switching protocols (101)" in error["message"]
+            assert error["code"] == "upstream_error"
+            assert error["message"].startswith(
+                "r0: the engine answered by switching protocols (101)"), error
+            assert error["message"].endswith("not retried: the engine may have been working "
+                                             "on it"), error
             assert front.served_now == 1
             assert front.state.router.in_flight() == {"r0": 0}
     finally:

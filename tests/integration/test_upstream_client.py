@@ -170,7 +170,11 @@ async def test_a_body_without_length_runs_to_the_end_of_the_connection():
     await pool.close()
 
 
-async def test_a_pooled_connection_the_engine_dropped_is_replaced_once():
+async def test_a_pooled_connection_the_engine_read_the_request_on_and_dropped_is_not_retried():
+    # The engine read request 2 whole (its TCP acknowledged it) and closed without a word,
+    # as one that dies while generating does: it may have been working on it, so it is
+    # not sent again. (One the engine had closed before the request reached it is:
+    # test_gateway_engine_failures.py.)
     async def first_then_drop(reader, writer, n):
         if n == 2:
             return False  # reads the second request, closes without answering
@@ -182,10 +186,10 @@ async def test_a_pooled_connection_the_engine_dropped_is_replaced_once():
         answer = await _post(pool, engine.port)
         await answer.read()
         answer.close()
-        answer = await _post(pool, engine.port)  # request 2 is dropped, 3 is answered
-        assert await answer.read() == b'{"ok":true}'
-        answer.close()
-        assert (engine.connections, len(engine.requests)) == (2, 3)
+        with pytest.raises(UpstreamError, match="before answering") as caught:
+            await _post(pool, engine.port)
+        assert not isinstance(caught.value, upstream.Undelivered)
+        assert (engine.connections, len(engine.requests)) == (1, 2)
     await pool.close()
 
 
@@ -923,7 +927,8 @@ async def test_an_answer_is_relayed_only_when_chunked_with_its_head_first_in_a_r
         for n in (2, 3, 4):
             relay = await _relayed(pool, engine.port)
             if n == 3:
-                await _until(lambda r=relay: not r.answer.got_nothing, "the head's first half")
+                await _until(lambda r=relay: not r.answer._conn.got_nothing,
+                             "the head's first half")
                 step.set()
             await asyncio.wait_for(relay.over.wait(), 5)
             assert relay.answer.status == 200 and relay.early is None, n

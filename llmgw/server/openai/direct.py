@@ -15,9 +15,12 @@ no Python call of llmgw's in between; any other is handed on by ``pipe`` and fra
 chunks again. What it says in each case (timeouts, an engine that breaks off, usage,
 metrics) is what ``proxy.forward`` says: the words are the same functions.
 
-An answer that another replica may still take instead (the engine refused before
-answering) goes back to the request's task path, which retries it, as long as nothing was
-written to the client.
+A request that no engine worked on goes back to the request's task path, which sends it
+again, as long as nothing was written to the client: one the engine refused with 503 (to
+another replica), and one whose kept-alive connection the engine had closed before the
+request reached it (``upstream.Undelivered``: the engine's TCP never acknowledged it). One
+that broke off after it reached the engine is answered 502 and sent nowhere else
+(``proxy.no_head``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from llmgw.server.openai.proxy import (
     write_whole,
 )
 from llmgw.server.openai.router import Lease
-from llmgw.server.openai.upstream import Answer, UpstreamTimeout
+from llmgw.server.openai.upstream import Answer, Undelivered
 
 if TYPE_CHECKING:
     from llmgw.server.metrics import Metrics
@@ -65,9 +68,10 @@ class Exchange:
     request back to the task path before anything was written, with the replica that did
     not take it and why under ``REFUSED`` (a retry, counted in ``metrics``), or with no
     extensions when it was not the replica's fault (a kept-alive connection the engine
-    had closed). Once the answer is over, however it ended, it is counted in ``metrics``
-    as a request for ``model`` of ``kind`` (``metrics.endpoint_kind``), and what it used
-    (``usage.add``, for the key ``key_id``), unless ``usage`` is None."""
+    had closed before the request reached it). Once the answer is over, however it
+    ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
+    (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key
+    ``key_id``), unless ``usage`` is None."""
 
     __slots__ = ("_answer", "_began", "_fall_back", "_gateway", "_kept", "_key_id", "_kind",
                  "_lease", "_metrics", "_model", "_over", "_reader", "_relayed", "_relaying",
@@ -132,12 +136,16 @@ class Exchange:
             self._abandon()
 
     def _no_head(self) -> None:
-        answer = self._answer
-        err = answer.error
+        err = self._answer.error
+        if isinstance(err, Undelivered):
+            # The engine had closed the kept-alive connection: no engine has the request.
+            # The task path sends it again (``Pool.post``: a new connection when no other
+            # idle one is left).
+            self._hand_back(None)
+            return
         outcome = no_head(err, self._lease.replica, self._gateway)
         if isinstance(outcome, Retryable):
-            stale = answer.got_nothing and not isinstance(err, UpstreamTimeout)
-            self._hand_back(None if stale else str(outcome))
+            self._hand_back(str(outcome))
         else:
             self._end_with(outcome)
 

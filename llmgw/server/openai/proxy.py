@@ -25,6 +25,7 @@ from llmgw.server.openai.router import Lease
 from llmgw.server.openai.upstream import (
     JSON_TYPE,
     Answer,
+    ConnectError,
     Pool,
     UpstreamError,
     UpstreamTimeout,
@@ -63,7 +64,8 @@ def upstream_pool(gateway: Gateway) -> Pool:
 
 
 class Retryable(Exception):
-    """The engine refused before answering anything; another replica may take it."""
+    """No engine worked on the request: no connection could be made to the replica, or
+    its engine answered 503. Another replica may take it."""
 
 
 UsageSink = Callable[[Usage | None], None]
@@ -117,15 +119,20 @@ async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool
 
 
 def no_head(err: UpstreamError, replica: str, gateway: Gateway) -> Retryable | ApiError:
-    """What to do when the engine's answer broke off before its head came."""
+    """What to do when the engine's answer broke off before its head came. Only a request
+    no engine can have worked on goes to another replica: one that found no connection.
+    One that was written to an engine is not sent again, however it broke (the engine
+    died while generating, or was killed by its health watch): it would generate the
+    same tokens twice, and a request that killed one engine would go on to the next.
+    (``Pool.post`` has already sent one again that a kept-alive connection's engine never
+    took.)"""
+    if isinstance(err, ConnectError):
+        return Retryable(f"{replica}: {err}")
     if isinstance(err, UpstreamTimeout):
-        # Not retried: the engine may still be working on it, and another replica would
-        # start the same work again.
         return ApiError(504, f"{replica} sent nothing for {gateway.first_byte_timeout_s:g} s "
                         "(gateway.first_byte_timeout_s)", code="upstream_timeout")
-    # Nothing was answered (a refused connection, one closed before answering): another
-    # replica may take it.
-    return Retryable(f"{replica}: {err}")
+    return ApiError(502, f"{replica}: {err}; not retried: the engine may have been working "
+                    "on it", code="upstream_error")
 
 
 def is_event_stream(status: int, headers: list[tuple[bytes, bytes]]) -> bool:

@@ -44,6 +44,14 @@ _ALARM_SLACK_S = 0.001
 _LAST_DATA_RECV = struct.Struct("=I")
 _LAST_DATA_RECV_AT = 52
 _TCP_INFO_BYTES = _LAST_DATA_RECV_AT + _LAST_DATA_RECV.size
+# And, for a connection that broke before any answer (``_Connection.undelivered``):
+# ``tcpi_bytes_acked`` (a u64 at 120, Linux 4.1), ``tcpi_bytes_sent`` and
+# ``tcpi_bytes_retrans`` (u64s at 200 and 208, Linux 4.19).
+_U64 = struct.Struct("=Q")
+_BYTES_ACKED_AT = 120
+_BYTES_SENT_AT = 200
+_BYTES_RETRANS_AT = 208
+_TCP_INFO_SENT_BYTES = _BYTES_RETRANS_AT + _U64.size
 
 
 @functools.lru_cache(maxsize=1024)
@@ -65,7 +73,8 @@ def request_bytes(host: str, port: int, path: str, body: bytes, accept: bytes,
 
 class UpstreamError(Exception):
     """The exchange with the engine failed. ``answered`` is False when the engine sent no
-    status line, so another replica may take the request."""
+    status line; the request may still have reached it, and it may have been working on
+    it (only ``ConnectError`` and ``Undelivered`` say that it did not)."""
 
     def __init__(self, message: str, *, answered: bool):
         super().__init__(message)
@@ -78,6 +87,18 @@ class ConnectError(UpstreamError):
     def __init__(self, message: str, *, timed_out: bool = False):
         super().__init__(message, answered=False)
         self.timed_out = timed_out
+
+
+class Undelivered(UpstreamError):
+    """The connection broke, with no byte of an answer, before the engine's end had taken
+    the whole request: its TCP acknowledged less than was sent. The engine had closed the
+    connection before the request reached it (a kept-alive one it let go as it was
+    picked), or went away before it had all of it; either way no engine read the request
+    whole, so it may be sent again (see ``Pool.post``)."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine had closed the connection before the request "
+                         "reached it", answered=False)
 
 
 class UpstreamTimeout(UpstreamError):
@@ -103,10 +124,13 @@ class Pool:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, its first
         byte still under ``first_byte_timeout_s``, each wait for more after that under
-        ``idle_timeout_s`` when given."""
+        ``idle_timeout_s`` when given. The request is sent a second time only when it went
+        on a kept-alive connection that the engine had closed before the request reached
+        it (``Undelivered``), and then on a new connection; an error of that one is
+        raised as it is."""
         payload = request_bytes(host, port, path, body, accept, content_type)
         for attempt in range(2):
-            conn, reused = await self._connection(host, port)
+            conn, reused = await self._connection(host, port, fresh=attempt > 0)
             answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
             conn.start(answer, payload)
             try:
@@ -114,10 +138,12 @@ class Pool:
                 return answer
             except UpstreamError as err:
                 conn.abort()
-                # A pooled connection the engine closed as we picked it: the request never
-                # reached it. Once more on a fresh connection.
-                if (reused and attempt == 0 and not err.answered and conn.got_nothing
-                        and not isinstance(err, UpstreamTimeout)):
+                # A pooled connection the engine had closed before the request reached it
+                # (its TCP never acknowledged it): once more, on a new connection, never
+                # another pooled one. Anything else that broke after the request was
+                # written is not sent again: the engine may have been working on it. A
+                # new connection is never tried twice.
+                if reused and isinstance(err, Undelivered):
                     continue
                 raise
             except BaseException:
@@ -147,10 +173,14 @@ class Pool:
                 return conn
         return None
 
-    async def _connection(self, host: str, port: int) -> tuple[_Connection, bool]:
-        conn = self._idle_connection(host, port)
-        if conn is not None:
-            return conn, True
+    async def _connection(self, host: str, port: int, fresh: bool = False
+                          ) -> tuple[_Connection, bool]:
+        """A connection to the engine, and whether it was kept alive from an earlier
+        request: an idle one from the pool unless ``fresh``, else a new one."""
+        if not fresh:
+            conn = self._idle_connection(host, port)
+            if conn is not None:
+                return conn, True
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -427,12 +457,6 @@ class Answer:
         it: ``take``), or soon from the loop for a limit or a lost connection."""
         self._watch = callback
 
-    @property
-    def got_nothing(self) -> bool:
-        """Not a byte of the answer came (on a kept-alive connection: it may have been
-        closed by the engine as it was picked, and the request never reached it)."""
-        return self._conn.got_nothing
-
     def resume(self) -> None:
         """Read from the engine again after a ``pipe`` sink said it was full (or after
         ``pause``). Nothing once the answer let go of its connection, as ``pause``."""
@@ -673,6 +697,31 @@ class _Connection(asyncio.Protocol):
             return None
         return _LAST_DATA_RECV.unpack_from(info, _LAST_DATA_RECV_AT)[0] / 1000
 
+    def undelivered(self) -> bool:
+        """The engine's TCP acknowledged less than was sent on this connection, as the
+        kernel counts both (TCP_INFO): asked once it broke with no byte of an answer.
+        Every earlier request on it was acknowledged (an answer to it came, and carried
+        the acknowledgment), so what is missing is the current request's: the engine's
+        end never had all of it. Such a connection was closed by the engine before the
+        request reached it (an engine that closes a kept-alive connection answers what
+        comes after with a reset, acknowledging none of it); one whose engine read the
+        request and then died, or was killed, acknowledged it all. False where the kernel
+        does not say (not Linux, before 4.19): the request is then taken as delivered.
+        A reset that came before the request could be written leaves nothing
+        unacknowledged either, and Linux counts the SYN as one byte acknowledged, so one
+        byte short reads as none: both taken as delivered, which errs the safe way."""
+        sock = self.transport.get_extra_info("socket") if self.transport else None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SENT_BYTES)
+        except (AttributeError, OSError):
+            return False
+        if len(info) < _TCP_INFO_SENT_BYTES:
+            return False
+        acked = _U64.unpack_from(info, _BYTES_ACKED_AT)[0]
+        sent = _U64.unpack_from(info, _BYTES_SENT_AT)[0] - \
+            _U64.unpack_from(info, _BYTES_RETRANS_AT)[0]
+        return acked < sent
+
     def usable(self) -> bool:
         return not self._lost and self.transport is not None and \
             not self.transport.is_closing()
@@ -890,6 +939,9 @@ class _Connection(asyncio.Protocol):
             return
         if self._until_eof and answer.status:
             answer._complete()
+        elif answer.error is None and not answer.status and self.got_nothing \
+                and self.undelivered():
+            answer._fail(Undelivered())
         else:
             answer._fail(UpstreamError("the engine closed the connection"
                                        + (" mid-answer" if answer.status else
