@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from litestar import Litestar, Request, Response, get
+from litestar import HttpMethod, Litestar, Request, Response, get, route
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.handlers import HTTPRouteHandler
 from litestar.types import ASGIApp
 
 from llmgw.config import ServerConfig
@@ -80,6 +82,27 @@ def _unexpected(request: Request, exc: Exception) -> Response:
                           code="internal_error")
 
 
+def _options_for(handlers: list) -> HTTPRouteHandler:
+    """One OPTIONS answer for every path of ``handlers``, naming every method the path
+    takes. Litestar 2's own names only the methods of the path's first handler: with
+    ``@get`` and ``@post`` on /api/users it said ``GET, OPTIONS`` (litestar#4169, fixed
+    in its 3.x). Registered before the others, it stands in for Litestar's."""
+    paths = sorted({path for h in handlers if isinstance(h, HTTPRouteHandler)
+                    for path in h.paths})
+    # A request's scope names its path as /api/keys/{prefix}, the routes as
+    # /api/keys/{prefix:str}.
+    by_template = {re.sub(r"\{(\w+):[^}]*\}", r"{\1}", path): path for path in paths}
+
+    @route(paths, http_method=HttpMethod.OPTIONS, include_in_schema=False,
+           sync_to_thread=False)
+    def options(request: Request) -> Response:
+        path = by_template[request.scope["path_template"]]
+        methods = request.app.route_handler_method_map[path]
+        return Response(None, status_code=204, headers={"allow": ", ".join(sorted(methods))})
+
+    return options
+
+
 _HOUSEKEEPING_S = 600.0
 
 
@@ -141,9 +164,10 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             await asyncio.gather(*tasks, return_exceptions=True)
             await upstream.close()
 
+    handlers = [healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
+                *admin.ROUTES, *join_routes.ROUTES]
     app = Litestar(
-        route_handlers=[healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
-                        *admin.ROUTES, *join_routes.ROUTES],
+        route_handlers=[_options_for(handlers), *handlers],
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,

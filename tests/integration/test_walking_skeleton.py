@@ -95,6 +95,16 @@ def test_bad_input_gets_openai_errors_and_never_a_500(cluster):
     resp = httpx.get(f"{cluster.base_url}/v1/nothing-here", headers=auth)
     assert resp.status_code == 405
     assert resp.json()["error"]["message"] == "/v1/nothing-here does not take GET"
+    assert resp.headers["allow"] == "POST"
+    # Every path says every method it takes (Litestar 2 alone named only the first
+    # handler's: GET on /api/users, though POST works).
+    options = httpx.options(f"{cluster.base_url}/api/users")
+    assert options.status_code == 204 and options.headers["allow"] == "GET, OPTIONS, POST"
+    refused = httpx.put(f"{cluster.base_url}/api/users", headers=auth)
+    assert refused.status_code == 405
+    assert set(refused.headers["allow"].split(", ")) == {"GET", "OPTIONS", "POST"}
+    assert httpx.options(f"{cluster.base_url}/api/keys/x").headers["allow"] == \
+        "DELETE, OPTIONS, PATCH"
     resp = httpx.get(f"{cluster.base_url}/nothing-here", headers=auth)
     assert resp.status_code == 404 and "error" in resp.json()
     # Still serving after all of that.

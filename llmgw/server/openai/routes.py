@@ -363,7 +363,8 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
     and response objects cost more than everything else llmgw does for it."""
     if scope["method"] != "POST":
         return await _send_error(send, ApiError(405, f"{path} does not take "
-                                                f"{scope['method']}", code="method_not_allowed"))
+                                                f"{scope['method']}", code="method_not_allowed",
+                                                headers={"allow": "POST"}))
     if required is None and _has_dot_segment(path):
         return await _send_error(send, ApiError(
             400, f"the path {path} has a `.` or `..` segment (plain or escaped as %2e): "
