@@ -26,7 +26,7 @@ from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.weights import WeightsError, WeightsStore, model_path
 from llmgw.config import ShardHealth
-from llmgw.core.names import shard_unit
+from llmgw.core.names import hostport, shard_unit, unbracket
 from llmgw.engines.base import gpu_env
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class ShardSupervisor:
         """Where the shard's health is checked; None for a rank that serves nothing."""
         if record.port is None or (record.health_path is None and not record.tcp_ready):
             return None
-        return _hostport(self._facts.bind_address, record.port)
+        return hostport(self._facts.bind_address, record.port)
 
     def _watched_address(self, record: ShardRecord) -> str | None:
         """Where a shard that has been ready (started so, or adopted) is checked; None to
@@ -473,7 +473,7 @@ async def _accepts(address: str) -> bool:
     host, _, port = address.rpartition(":")
     try:
         _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), 2.0)
+            asyncio.open_connection(unbracket(host), int(port)), 2.0)
     except (OSError, TimeoutError):
         return False
     writer.close()
@@ -505,7 +505,3 @@ def _process_tree(pid: int) -> set[int]:
         return {pid, *(p.pid for p in root.children(recursive=True))}
     except psutil.Error:
         return {pid}
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -31,6 +31,7 @@ import psutil
 
 from llmgw import pki
 from llmgw.config import Listen, ServerConfig, ServerTls, dump
+from llmgw.core.names import hostport, unbracket, url_host
 from llmgw.files import write_atomically
 
 DEFAULT_DIR = ServerConfig().state_dir
@@ -86,9 +87,8 @@ def listen_host(addresses: list[str]) -> str:
 
 def check_listen(host: str) -> str:
     """``--listen``'s value as server.yaml takes it: an IP address, brackets or not."""
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        return str(ipaddress.ip_address(bare))
+        return str(ipaddress.ip_address(unbracket(host)))
     except ValueError:
         raise InitError(f"--listen {host}: give an IP address of this machine, or "
                         f"{ANY_IPV4} (every IPv4 interface) or {ANY_IPV6} (every IPv6 one); "
@@ -98,10 +98,6 @@ def check_listen(host: str) -> str:
 def _private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.chmod(0o700)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
@@ -138,7 +134,7 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
     write_atomically(secrets / "server.key", server_key, 0o600)
     write_atomically(tls / "ca.pem", ca_pem, 0o644)
     write_atomically(tls / "server.pem", server_pem, 0o644)
-    public = [f"https://{_url_host(a)}:{port}" for a in addresses if a != "localhost"]
+    public = [f"https://{hostport(a, port)}" for a in addresses if a != "localhost"]
     config = ServerConfig(
         listen=Listen(host=host, port=port), state_dir=str(directory),
         tls=ServerTls(ca_file=str(tls / "ca.pem"), ca_key_file=str(secrets / "ca.key"),
@@ -153,7 +149,7 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
 
 
 def _where(host: str, port: int, agent_port: int, chosen: bool) -> str:
-    shown = _url_host(host)
+    shown = url_host(host)
     where = f"it listens on {shown}:{port} (API) and {shown}:{agent_port} (agent stream)"
     if host in (ANY_IPV4, ANY_IPV6) and not chosen:
         return (f"{where}: every {'IPv6' if host == ANY_IPV6 else 'IPv4'} interface, since "

@@ -66,8 +66,23 @@ def is_loopback_host(host: str | None) -> bool:
     if host == "localhost":
         return True
     try:
-        address = ipaddress.ip_address(host.split("%", 1)[0].strip("[]"))
+        address = ipaddress.ip_address(unbracket(host).split("%", 1)[0])
     except ValueError:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL or ``host:port`` writes it: an IPv6 address (a zone id kept as
+    is) in brackets, an IPv4 address or a name unchanged, brackets already there kept."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def hostport(host: str, port: int) -> str:
+    return f"{url_host(host)}:{port}"
+
+
+def unbracket(host: str) -> str:
+    """``host`` without the brackets a URL puts round an IPv6 address."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host

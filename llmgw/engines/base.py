@@ -109,10 +109,6 @@ def two_nodes_of_eight_gpus() -> list[ShardRequest]:
     ]
 
 
-def hostport(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 def gpu_env(gpus: tuple[int, ...]) -> dict[str, str]:
     """CUDA numbers GPUs as placement does only in PCI bus order. A shard given no GPU
     sees none, so a CUDA-capable engine cannot take one placement did not give it."""

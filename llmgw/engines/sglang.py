@@ -7,13 +7,13 @@ HTTP.
 
 from __future__ import annotations
 
+from llmgw.core.names import hostport
 from llmgw.engines.base import (
     Launch,
     NodeFacts,
     ShardRequest,
     binary,
     gpu_env,
-    hostport,
     leader_rendezvous,
     need_port,
     two_nodes_of_eight_gpus,

@@ -6,12 +6,12 @@ every worker has joined; workers serve no HTTP at all.
 
 from __future__ import annotations
 
+from llmgw.core.names import hostport
 from llmgw.engines.base import (
     Launch,
     NodeFacts,
     ShardRequest,
     gpu_env,
-    hostport,
     leader_rendezvous,
     need_port,
 )

@@ -24,7 +24,7 @@ from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
 from llmgw.core.desired_engines import desired_engines, settings_problems
 from llmgw.core.inventory import NodeState, inventory_changes, node_from_register
-from llmgw.core.names import replica_id
+from llmgw.core.names import hostport, replica_id
 from llmgw.core.placement import newly_qualified
 from llmgw.core.replicas import (
     Replica,
@@ -35,7 +35,6 @@ from llmgw.core.replicas import (
     fail,
     new_replica,
 )
-from llmgw.engines.base import hostport
 from llmgw.server.agents.sessions import NodeSession, NodeSessions
 from llmgw.store import NodeRecord, Store
 

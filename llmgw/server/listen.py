@@ -20,6 +20,7 @@ import stat
 from collections.abc import MutableMapping
 
 from llmgw.config import ConfigError, Listen
+from llmgw.core.names import hostport
 
 SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): passed sockets start at this fd
 _ENV = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
@@ -107,9 +108,8 @@ def check_matches(sock: socket.socket, listen: Listen) -> None:
     (an API key may be off only on loopback) read ``listen``, not the socket."""
     host, port = sock.getsockname()[:2]
     if port != listen.port or not _same_host(listen.host, host):
-        shown = f"[{host}]" if ":" in host else host
         raise ListenError(
-            f"the socket systemd passed listens on {shown}:{port}, but server.yaml says "
+            f"the socket systemd passed listens on {hostport(host, port)}, but server.yaml says "
             f"listen: {{host: {listen.host}, port: {listen.port}}}; make "
             "llmgw-server.socket's ListenStream= and listen agree")
 
@@ -125,18 +125,14 @@ def listening_socket(listen: Listen) -> tuple[socket.socket, str]:
             sock.detach()
             raise
         host, port = sock.getsockname()[:2]
-        return sock, f"{_url_host(host)}:{port} (socket passed by systemd)"
+        return sock, f"{hostport(host, port)} (socket passed by systemd)"
     host = listen.host
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         sock = socket.create_server((host, listen.port), family=family, backlog=2048)
     except OSError as err:
-        raise ListenError(f"cannot listen on {_url_host(host)}:{listen.port}: "
+        raise ListenError(f"cannot listen on {hostport(host, listen.port)}: "
                           f"{err.strerror or err}; change listen in server.yaml or stop what "
                           "holds that port") from None
     sock.set_inheritable(False)
-    return sock, f"{_url_host(host)}:{listen.port}"
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    return sock, hostport(host, listen.port)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from llmgw.core.names import unbracket
+
 log = logging.getLogger("llmgw.sim.rendezvous")
 
 HELLO_TIMEOUT_S = 5.0
@@ -59,7 +61,7 @@ class LeaderLost(RendezvousError):
 def parse_address(text: str) -> tuple[str, int]:
     """Split `HOST:PORT` (or `[v6]:PORT`); ValueError with a readable message."""
     host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
+    host = unbracket(host)
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)

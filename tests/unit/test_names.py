@@ -12,9 +12,12 @@ from llmgw.core.names import (
     NameRuleError,
     check_element,
     check_model_name,
+    hostport,
     is_loopback_host,
     replica_id,
     shard_unit,
+    unbracket,
+    url_host,
 )
 
 # What systemd accepts in a unit name, without the escaping character.
@@ -138,3 +141,25 @@ def test_a_trailing_newline_is_rejected(check) -> None:
     ("", False), (None, False)])
 def test_loopback_hosts(host, loopback):
     assert is_loopback_host(host) is loopback
+
+
+@pytest.mark.parametrize(("host", "shown"), [
+    ("10.0.0.1", "10.0.0.1"), ("cp.example.org", "cp.example.org"), ("localhost", "localhost"),
+    ("::1", "[::1]"), ("::", "[::]"), ("::ffff:10.0.0.1", "[::ffff:10.0.0.1]"),
+    ("fe80::1%eth0", "[fe80::1%eth0]"), ("[::1]", "[::1]"), ("", "")])
+def test_url_host_brackets_ipv6_once(host, shown):
+    assert url_host(host) == shown
+    assert hostport(host, 8443) == f"{shown}:8443"
+
+
+@pytest.mark.parametrize(("host", "bare"), [
+    ("[::1]", "::1"), ("[fe80::1%eth0]", "fe80::1%eth0"), ("::1", "::1"),
+    ("10.0.0.1", "10.0.0.1"), ("cp.example.org", "cp.example.org"), ("[]", ""),
+    ("[::1", "[::1"), ("::1]", "::1]")])
+def test_unbracket_takes_off_one_pair(host, bare):
+    assert unbracket(host) == bare
+
+
+@given(st.ip_addresses().map(str))
+def test_unbracket_undoes_url_host(address):
+    assert unbracket(url_host(address)) == address

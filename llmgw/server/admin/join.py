@@ -32,7 +32,7 @@ from litestar.params import FromPath
 
 from llmgw import pki
 from llmgw.config import ServerTls
-from llmgw.core.names import NameRuleError, check_element
+from llmgw.core.names import NameRuleError, check_element, hostport
 from llmgw.server.admin.common import Input, body, require
 from llmgw.server.errors import ApiError
 from llmgw.store.pki import JoinTokenRecord, JoinTokenUnusable, NodeCertRecord, unusable
@@ -114,9 +114,7 @@ def agent_stream_urls(request: Request) -> list[str]:
     port = _tls(request).agent_listen.port
     urls = []
     for url in control_plane_urls(request):
-        host = urlsplit(url).hostname or ""
-        shown = f"[{host}]" if ":" in host else host
-        urls.append(f"https://{shown}:{port}")
+        urls.append(f"https://{hostport(urlsplit(url).hostname or '', port)}")
     return list(dict.fromkeys(urls))
 
 

@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki, wire
 from llmgw.config import ConfigError
+from llmgw.core.names import hostport
 from llmgw.server.agents.live import LiveStreams
 from llmgw.server.agents.protocol import Identity, StreamClosed, serve_agent
 from llmgw.store import StoreError
@@ -289,9 +290,8 @@ class AgentListener:
 
     @property
     def url(self) -> str:
-        host = self.tls.agent_listen.host
-        shown = f"[{host}]" if ":" in host else host
-        return f"wss://{shown}:{self.tls.agent_listen.port}{STREAM_PATH}"
+        listen = self.tls.agent_listen
+        return f"wss://{hostport(listen.host, listen.port)}{STREAM_PATH}"
 
     async def start(self) -> None:
         app = web.Application()

@@ -14,7 +14,7 @@ from litestar import WebSocket, websocket
 from litestar.exceptions import WebSocketDisconnect
 
 from llmgw.config import ServerConfig
-from llmgw.core.names import is_loopback_host
+from llmgw.core.names import hostport, is_loopback_host
 from llmgw.server.agents.protocol import (
     CLOSE_UNAUTHORIZED,
     StreamClosed,
@@ -49,10 +49,9 @@ def plain_refusal(config: ServerConfig, peer: str) -> str | None:
     """Why this server takes no agent on the plain route from ``peer``; None when it does."""
     tls = config.tls
     if tls is not None:
-        host = tls.agent_listen.host
-        shown = f"[{host}]" if ":" in host else host
+        shown = hostport(tls.agent_listen.host, tls.agent_listen.port)
         return (f"this server takes agents only on its mTLS listener, "
-                f"wss://{shown}:{tls.agent_listen.port}; point servers: in agent.yaml at "
+                f"wss://{shown}; point servers: in agent.yaml at "
                 "https://ADDRESS:PORT and set tls")
     if not config.listen.allow_plain_http and not is_loopback_host(peer):
         return ("plain agent streams are taken from loopback only; give the server a tls "

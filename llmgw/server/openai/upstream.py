@@ -26,6 +26,8 @@ from time import monotonic as _monotonic
 
 import httptools
 
+from llmgw.core.names import url_host
+
 log = logging.getLogger(__name__)
 
 # Passed on from the engine's answer; everything else (hop-by-hop, lengths) is ours.
@@ -58,8 +60,7 @@ _TCP_INFO_SENT_BYTES = _BYTES_RETRANS_AT + _U64.size
 def _host_header(host: str, port: int) -> bytes:
     """``host:port`` as the Host header has it (IPv6 in brackets), once per engine address:
     the idna codec is pure Python and would cost more than the rest of the request head."""
-    name = f"[{host}]".encode() if ":" in host else host.encode("idna")
-    return name + b":" + str(port).encode()
+    return url_host(host).encode("idna") + b":" + str(port).encode()
 
 
 def request_bytes(host: str, port: int, path: str, body: bytes, accept: bytes,
