@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from llmgw.agent.install import pypi
@@ -36,6 +40,29 @@ def make_cluster(tmp_path, request):
         if failed is not None and failed.failed:
             print(cluster.logs())
         cluster.stop()
+
+
+@contextlib.contextmanager
+def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[dict],
+                     overrides: dict | None = None) -> Iterator[Cluster]:
+    """A server and one agent (node-a) with ``models`` ready, for a module's tests: stopped
+    afterwards, its processes' logs printed when it would not start or a test failed."""
+    c = Cluster(root, models, overrides or {})
+    c.root.mkdir(parents=True, exist_ok=True)
+    failed_before = request.session.testsfailed
+    try:
+        c.start_server()
+        c.add_agent("node-a")
+        for model in models:
+            c.wait_ready(model["name"])
+    except BaseException:
+        print(c.logs())
+        c.stop()
+        raise
+    yield c
+    if request.session.testsfailed > failed_before:
+        print(c.logs())
+    c.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -20,7 +20,7 @@ import pytest
 
 from llmgw.server.openai.routes import TOO_DEEP
 from tests.integration.cluster import Cluster
-from tests.integration.conftest import SIM_SMALL
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
 from tests.integration.gateway_state import engine_answering, gateway_front_in_process
 
 MODEL = "bad-input-model"
@@ -141,6 +141,12 @@ async def test_a_body_nested_as_deep_as_a_request_needs_is_forwarded_byte_for_by
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                        "tools": [{"type": "function", "function": {
                            "name": "deep", "parameters": schema}}]}).encode()
+    await _forwarded_as_sent(port, front, engine, body)
+
+
+async def _forwarded_as_sent(port: int, front, engine, body: bytes) -> None:
+    """``body`` goes on the callback path (the fast one) and reaches the engine byte for
+    byte."""
     connection = await asyncio.open_connection("127.0.0.1", port)
     try:
         assert (await _post(port, WAYS["callbacks"], GOOD, connection))[0] == 200
@@ -193,15 +199,7 @@ async def test_a_body_in_utf8_past_ascii_goes_the_fast_way_untouched(gateway):
     body = json.dumps({"model": MODEL, "messages": [
         {"role": "user", "content": "café — 日本語 🦙 𝄞"}]}, ensure_ascii=False).encode()
     assert not body.isascii()
-    connection = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        assert (await _post(port, WAYS["callbacks"], GOOD, connection))[0] == 200
-        served = front.served_now
-        assert (await _post(port, WAYS["callbacks"], body, connection))[0] == 200
-    finally:
-        connection[1].close()
-    assert front.served_now == served + 1
-    assert engine.received[-1][1] == body
+    await _forwarded_as_sent(port, front, engine, body)
 
 
 # --- 5. dot segments ----------------------------------------------------------------------
@@ -244,21 +242,8 @@ async def test_dots_that_are_not_a_segment_of_their_own_are_forwarded_as_written
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
-    c = Cluster(tmp_path_factory.mktemp("bad-input"), [SIM_SMALL])
-    c.root.mkdir(parents=True, exist_ok=True)
-    failed_before = request.session.testsfailed
-    try:
-        c.start_server()
-        c.add_agent("node-a")
-        c.wait_ready("sim-small")
-    except BaseException:
-        print(c.logs())
-        c.stop()
-        raise
-    yield c
-    if request.session.testsfailed > failed_before:
-        print(c.logs())
-    c.stop()
+    with one_node_cluster(tmp_path_factory.mktemp("bad-input"), request, [SIM_SMALL]) as c:
+        yield c
 
 
 def _raw_post(c: Cluster, target: bytes, body: bytes, token: str) -> tuple[int, bytes]:

@@ -29,7 +29,7 @@ from llmgw.config import ServerConfig
 from llmgw.core.catalog import Catalog
 from llmgw.server.admin import accounts, join, keys, models
 from llmgw.server.app import build
-from tests.integration.cluster import Cluster
+from tests.integration.conftest import one_node_cluster
 
 MODEL = "sim-fuzz"
 # Unpaced, so a generated request is answered at once.
@@ -171,25 +171,14 @@ def test_every_route_and_body_is_described():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
-    c = Cluster(tmp_path_factory.mktemp("fuzz"), [FUZZ_MODEL], {
-        # The cheapest argon2 the config allows: many generated users and passwords.
+    # The cheapest argon2 the config allows: many generated users and passwords.
+    cheap = {
         "auth": {"argon2_memory_kib": 19 * 1024, "argon2_time_cost": 2,
                  "argon2_parallelism": 1},
-    })
-    c.root.mkdir(parents=True, exist_ok=True)
-    failed_before = request.session.testsfailed
-    try:
-        c.start_server()
-        c.add_agent("node-a")
-        c.wait_ready(MODEL)
-    except BaseException:
-        print(c.logs())
-        c.stop()
-        raise
-    yield c
-    if request.session.testsfailed > failed_before:
-        print(c.logs())
-    c.stop()
+    }
+    with one_node_cluster(tmp_path_factory.mktemp("fuzz"), request, [FUZZ_MODEL],
+                          cheap) as c:
+        yield c
 
 
 # Loaded at import: the document needs no server. The server's address comes per call.

@@ -111,7 +111,6 @@ let
 
     python3 = python "python3" "3.13.9";
     python311 = python "python3" "3.11.14";
-    python312 = python "python3" "3.12.12";
     llama-cpp = llamaCpp { };
     coreutils = package "coreutils" "9.8" { mainProgram = "coreutils"; };
     findutils = package "findutils" "4.10.0" { mainProgram = "find"; };
@@ -124,7 +123,6 @@ let
     gnumake = package "gnumake" "4.4.1" { mainProgram = "make"; };
     postgresql = package "postgresql" "17.7" { mainProgram = "psql"; };
     nix = package "nix" "2.31.2" { };
-    curl = package "curl" "8.17.0" { };
     git = package "git" "2.51.2" { };
   };
 in
