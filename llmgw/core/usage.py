@@ -320,6 +320,9 @@ class StreamUsage:
     __slots__ = ("_bound", "_cut", "_events", "_fed", "_limit", "_max_line", "_tail",
                  "pending")
 
+    # What transport.writer.ChunkTap asks: how often the relay settles what it handed on.
+    settle_bytes = SETTLE_BYTES
+
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._max_line = max_line
         self._bound = max_line + AFTER_USAGE_BYTES

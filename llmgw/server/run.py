@@ -1,4 +1,4 @@
-"""``llmgw server``: open the store, load the catalog, and serve (llmgw.server.http)."""
+"""``llmgw server``: open the store, load the catalog, and serve (llmgw.transport.server)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from llmgw.server.admin.models import sync_declared
 from llmgw.server.agents.live import LiveStreams
 from llmgw.server.app import build
 from llmgw.server.auth import load_admin_token
-from llmgw.server.http import make_server
 from llmgw.server.listen import listening_socket
 from llmgw.store import Store, open_store, sqlite_url
 from llmgw.store.lock import hold_state_lock
+from llmgw.transport.server import make_server
 
 log = logging.getLogger(__name__)
 

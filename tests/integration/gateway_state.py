@@ -17,12 +17,12 @@ from llmgw.config import Gateway, Listen, Model
 from llmgw.core.catalog import catalog_from_config
 from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
-from llmgw.server.http import make_server
 from llmgw.server.listen import listening_socket
 from llmgw.server.metrics import Metrics
 from llmgw.server.openai import routes
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
+from llmgw.transport.server import make_server
 
 
 def gateway_state(model: str, router: Router, pool,

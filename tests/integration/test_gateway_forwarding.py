@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from llmgw.config import Gateway
-from llmgw.server.openai.upstream import ConnectError, Pool
+from llmgw.transport.errors import ConnectError
+from llmgw.transport.pool import Pool
 from tests.integration.gateway_state import engine_answering, gateway_front_in_process
 
 MODEL = "forwarding-model"

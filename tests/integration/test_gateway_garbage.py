@@ -19,15 +19,16 @@ from collections.abc import Callable, Iterator
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from llmgw.server.http import BodyWriter, _Light
-from llmgw.server.openai import upstream
 from llmgw.server.openai.router import Lease
+from llmgw.transport.answer import Answer
+from llmgw.transport.server import _Light
+from llmgw.transport.writer import BodyWriter
 from tests.integration.gateway_state import engine_answering, gateway_in_process
 
 MODEL = "garbage-model"
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 # Types made once per request; none may outlive it.
-PER_REQUEST = (BodyWriter, RequestResponseCycle, _Light, upstream.Answer, Lease)
+PER_REQUEST = (BodyWriter, RequestResponseCycle, _Light, Answer, Lease)
 
 
 async def _answer_request(head: bytes, body: bytes, reader: asyncio.StreamReader,

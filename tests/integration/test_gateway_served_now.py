@@ -649,15 +649,15 @@ async def test_a_stream_that_breaks_off_inside_a_chunk_is_cut_not_ended(ends):
 async def test_a_bug_while_a_stream_is_relayed_ends_it_with_an_internal_error(monkeypatch):
     # The relay started, then llmgw's own code failed: what was relayed stopped between
     # chunks, so the stream ends with an error event of llmgw's, and the engine is freed.
-    from llmgw.server.openai import upstream
+    from llmgw.transport.answer import Answer
 
-    start_relay = upstream.Answer.start_relay
+    start_relay = Answer.start_relay
 
     def start_then_fail(self, *args) -> None:
         start_relay(self, *args)
         raise RuntimeError("a bug after the relay started")
 
-    monkeypatch.setattr(upstream.Answer, "start_relay", start_then_fail)
+    monkeypatch.setattr(Answer, "start_relay", start_then_fail)
 
     async def one_then_more(reader, writer) -> bool:
         writer.write(HEAD + _chunked(EVENT))

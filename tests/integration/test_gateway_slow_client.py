@@ -17,7 +17,7 @@ import socket
 import aiohttp
 import pytest
 
-from llmgw.server.openai import upstream
+from llmgw.transport.connection import Connection
 from tests.integration.gateway_state import gateway_front_in_process
 
 MODEL = "slow-reader-model"
@@ -87,13 +87,13 @@ async def test_a_client_slower_than_its_engine_pauses_the_engine_and_gets_every_
     # full; from callbacks (a connection to the engine is open: a stream before opened
     # it) they are relayed as they came, and the client's connection says it.
     paused = asyncio.Event()
-    pause = upstream._Connection.pause
+    pause = Connection.pause
 
     def seen_pause(self) -> None:
         paused.set()
         pause(self)
 
-    monkeypatch.setattr(upstream._Connection, "pause", seen_pause)
+    monkeypatch.setattr(Connection, "pause", seen_pause)
     engine = _Engine(short=1 if path == "callbacks" else 0)
     async with gateway_front_in_process(MODEL, engine.serve) as running:
         port, front = running.port, running.front

@@ -1,4 +1,4 @@
-"""The HTTP server around the app (llmgw.server.http): what it adds to uvicorn, on loopback.
+"""The HTTP server around the app (llmgw.transport.server): what it adds to uvicorn, on loopback.
 
 A small ASGI app that echoes what the server told it, served by ``make_server`` on a
 socket bound here, reached by raw sockets and aiohttp: the head limit, TLS 1.3 only,
@@ -27,9 +27,10 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from llmgw import pki
 from llmgw.config import Listen
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage, Usage
-from llmgw.server import http as http_server
-from llmgw.server.http import BODY_WRITER, GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
 from llmgw.server.listen import listening_socket
+from llmgw.transport import server as http_server
+from llmgw.transport.server import GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
+from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
 CHUNK = 2**16
 
@@ -130,8 +131,10 @@ async def _written(scope, send, chunks: int, running: _Running, way: str) -> Non
 
 
 class _Tap:
-    """Stands in for a stream's usage reader (``StreamUsage``): keeps what a sink hands
-    it, and the most that waited in ``pending`` before a ``settle``."""
+    """A ChunkTap, as the gateway's usage reader (``StreamUsage``) is one: keeps what a
+    sink hands it, and the most that waited in ``pending`` before a ``settle``."""
+
+    settle_bytes = SETTLE_BYTES
 
     def __init__(self) -> None:
         self.pending: list[bytes] = []
@@ -695,7 +698,7 @@ async def test_a_served_request_leaves_no_reference_cycle_behind():
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def alive() -> int:
-        return sum(isinstance(o, (http_server.BodyWriter, RequestResponseCycle))
+        return sum(isinstance(o, (BodyWriter, RequestResponseCycle))
                    for o in gc.get_objects())
 
     gc.collect()

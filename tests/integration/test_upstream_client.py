@@ -10,15 +10,10 @@ import socket
 
 import pytest
 
-from llmgw.server.openai import upstream
-from llmgw.server.openai.upstream import (
-    Answer,
-    ConnectError,
-    Pool,
-    UpstreamError,
-    UpstreamTimeout,
-    request_bytes,
-)
+from llmgw.transport.answer import Answer
+from llmgw.transport.connection import Connection
+from llmgw.transport.errors import ConnectError, Undelivered, UpstreamError, UpstreamTimeout
+from llmgw.transport.pool import Pool, request_bytes
 
 OK = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-other: dropped\r\n"
       b"content-length: 11\r\n\r\n{\"ok\":true}")
@@ -188,7 +183,7 @@ async def test_a_pooled_connection_the_engine_read_the_request_on_and_dropped_is
         answer.close()
         with pytest.raises(UpstreamError, match="before answering") as caught:
             await _post(pool, engine.port)
-        assert not isinstance(caught.value, upstream.Undelivered)
+        assert not isinstance(caught.value, Undelivered)
         assert (engine.connections, len(engine.requests)) == (1, 2)
     await pool.close()
 
@@ -1155,7 +1150,7 @@ async def test_an_answer_is_relayed_only_where_the_kernel_says_when_data_came(mo
     async def chunked(reader, writer, n):
         writer.write(OK if n == 1 else CHUNKED + b"1\r\nx\r\n0\r\n\r\n")
 
-    monkeypatch.setattr(upstream._Connection, "silent_for", lambda self: None)
+    monkeypatch.setattr(Connection, "silent_for", lambda self: None)
     pool = Pool(connect_timeout_s=2)
     async with Engine(chunked) as engine:
         await _one_idle_connection(pool, engine.port)

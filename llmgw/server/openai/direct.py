@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 from llmgw.config import Gateway
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage
 from llmgw.server.errors import ApiError
-from llmgw.server.http import BodyWriter
 from llmgw.server.openai.proxy import (
     Retryable,
     answer_headers,
@@ -47,7 +46,9 @@ from llmgw.server.openai.proxy import (
     write_whole,
 )
 from llmgw.server.openai.router import Lease
-from llmgw.server.openai.upstream import Answer, Undelivered
+from llmgw.transport.answer import Answer
+from llmgw.transport.errors import Undelivered
+from llmgw.transport.writer import BodyWriter
 
 if TYPE_CHECKING:
     from llmgw.server.metrics import Metrics

@@ -20,16 +20,11 @@ import msgspec
 from llmgw.config import Gateway
 from llmgw.core.usage import StreamUsage, Usage, usage_from_body
 from llmgw.server.errors import ApiError
-from llmgw.server.http import BodyWriter
 from llmgw.server.openai.router import Lease
-from llmgw.server.openai.upstream import (
-    JSON_TYPE,
-    Answer,
-    ConnectError,
-    Pool,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from llmgw.transport.answer import Answer
+from llmgw.transport.errors import ConnectError, UpstreamError, UpstreamTimeout
+from llmgw.transport.pool import JSON_TYPE, Pool
+from llmgw.transport.writer import BodyWriter
 
 log = logging.getLogger(__name__)
 

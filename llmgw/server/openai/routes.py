@@ -21,13 +21,13 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
 from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
-from llmgw.server.http import BODY_WRITER, BodyWriter
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.direct import REFUSED, Exchange
 from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
 from llmgw.server.openai.router import Saturated
-from llmgw.server.openai.upstream import JSON_TYPE, request_bytes
 from llmgw.store import ApiKeyRecord
+from llmgw.transport.pool import JSON_TYPE, request_bytes
+from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
 if TYPE_CHECKING:
     from llmgw.config import ServerConfig
@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from llmgw.server.controller import Controller
     from llmgw.server.metrics import Metrics
     from llmgw.server.openai.router import Router
-    from llmgw.server.openai.upstream import Pool
     from llmgw.server.openai.usage import UsageRecorder
     from llmgw.store import Store
+    from llmgw.transport.pool import Pool
 
 log = logging.getLogger(__name__)
 
