@@ -49,6 +49,20 @@ async def lifespan_only(scope, receive, send) -> None:
     await send({"type": "lifespan.shutdown.complete"})
 
 
+class CountingFront(routes.GatewayFront):
+    """The GatewayFront, counting the requests ``serve_now`` took (``served_now``): how
+    a test sees which path served a request."""
+
+    def __init__(self, app, state) -> None:
+        super().__init__(app, state)
+        self.served_now = 0
+
+    def serve_now(self, *args) -> bool:
+        taken = super().serve_now(*args)
+        self.served_now += taken
+        return taken
+
+
 Answer = Callable[[bytes, bytes, asyncio.StreamReader, asyncio.StreamWriter],
                   Awaitable[bool | None]]
 
@@ -89,7 +103,7 @@ async def gateway_front_in_process(model: str, engine, gateway: Gateway | None =
                                    *, plain_uvicorn: bool = False
                                    ) -> AsyncIterator[SimpleNamespace]:
     """``gateway_in_process``, yielding the app and the server too: ``port``, ``front``
-    (the GatewayFront) and ``server``. With ``plain_uvicorn``, on uvicorn's own protocol
+    (a CountingFront) and ``server``. With ``plain_uvicorn``, on uvicorn's own protocol
     instead of llmgw's server: an ASGI server that offers no BodyWriter and serves nothing
     from callbacks."""
     engine_server = await asyncio.start_server(engine, "127.0.0.1", 0)
@@ -97,7 +111,7 @@ async def gateway_front_in_process(model: str, engine, gateway: Gateway | None =
     router.update({model: [("r0", "127.0.0.1", engine_server.sockets[0].getsockname()[1])]})
     pool = upstream_pool(gateway or Gateway())
     sock, _ = listening_socket(Listen(host="127.0.0.1", port=0))
-    app = routes.gateway_first(lifespan_only, gateway_state(model, router, pool, gateway))
+    app = CountingFront(lifespan_only, gateway_state(model, router, pool, gateway))
     if plain_uvicorn:
         server = uvicorn.Server(uvicorn.Config(app, loop="none", http="httptools",
                                                lifespan="on", log_config=None,

@@ -17,8 +17,10 @@ import pytest
 
 from llmgw.config import Gateway
 from llmgw.server.openai import routes
+from llmgw.server.openai.admission import Ask
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
+from llmgw.transport.pool import JSON_TYPE
 from tests.integration.cluster import free_port
 from tests.integration.gateway_state import gateway_state
 from tests.integration.test_sim_engine import MODEL, Launcher, http, wait_for
@@ -56,8 +58,8 @@ async def test_refused_and_503_replicas_are_retried_and_tokens_come_once(engines
             async def send(message: dict, sent=sent) -> None:
                 sent.append(message)
 
-            await routes._route(state, head, None, "/v1/chat/completions", body, send, None,
-                                routes._Seen(state.metrics))
+            ask = Ask("/v1/chat/completions", "chat", head, body, JSON_TYPE, None)
+            await routes._route(state, ask, send, routes._Seen(state.metrics), None)
             starts = [m for m in sent if m["type"] == "http.response.start"]
             assert [m["status"] for m in starts] == [200]  # one answer, started once
             text = b"".join(m.get("body", b"") for m in sent).decode()
@@ -104,8 +106,9 @@ async def test_a_stream_broken_after_its_first_byte_is_not_retried():
     pool = upstream_pool(Gateway())
     try:
         state = gateway_state(MODEL, router, pool)
-        await routes._route(state, routes._parse(body, "messages"), None,
-                            "/v1/chat/completions", body, send, None, routes._Seen(state.metrics))
+        ask = Ask("/v1/chat/completions", "chat", routes._parse(body, "messages"), body,
+                  JSON_TYPE, None)
+        await routes._route(state, ask, send, routes._Seen(state.metrics), None)
     finally:
         await pool.close()
         server.close()

@@ -14,6 +14,7 @@ import pytest
 from llmgw.core import routing
 from llmgw.core.routing import Ring, by_affinity, choose, load_bound, two_choices
 from llmgw.server.openai import routes
+from llmgw.server.openai.admission import Ask
 from llmgw.server.openai.proxy import ends_an_event
 from llmgw.server.openai.router import QueueFull, QueueTimeout, Router, Saturated
 
@@ -237,7 +238,16 @@ def test_a_requests_affinity_key_reads_only_the_start_of_its_conversation(fields
     head = routes._parse(body, None)
     whole = routing.affinity_key(bytes(head.user),
                                  bytes(head.messages) or bytes(head.prompt))
-    assert routes._affinity(head) == whole
+    two = Router()
+    two.update({"m": [("a", "127.0.0.1", 1), ("b", "127.0.0.1", 2)]})
+    assert Ask("/v1/completions", "completions", head, body, b"", None).affinity(two) == whole
+
+
+def test_a_model_with_one_replica_has_no_affinity_key_to_work_out():
+    head = routes._parse(b'{"model": "m", "user": "alice"}', None)
+    one = Router()
+    one.update({"m": [("a", "127.0.0.1", 1)]})
+    assert Ask("/v1/completions", "completions", head, b"", b"", None).affinity(one) is None
 
 # --- the router: leases and the queue -------------------------------------------------------
 

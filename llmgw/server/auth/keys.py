@@ -114,7 +114,6 @@ class _Known(msgspec.Struct, frozen=True):
     record: ApiKeyRecord
     owner_enabled: bool
     digest: bytes  # record.secret_hash, as _digest gives it
-    limited: bool  # record.limits.any, worked out once a read
 
     def judge(self, key: str, now: datetime | None, digest: bytes | None = None
               ) -> ApiKeyRecord | str:
@@ -135,8 +134,7 @@ class _Known(msgspec.Struct, frozen=True):
 
 
 def _known(record: ApiKeyRecord, owner_enabled: bool) -> _Known:
-    return _Known(record, owner_enabled, bytes.fromhex(record.secret_hash),
-                  record.limits.any)
+    return _Known(record, owner_enabled, bytes.fromhex(record.secret_hash))
 
 
 async def _lookup(store: Store, prefix: str) -> _Known | None:
@@ -240,9 +238,9 @@ class KeyCache:
         return _NOT_VALID if known is None else known.judge(key, now)
 
     def good_now(self, key: str, memo: dict | None = None) -> ApiKeyRecord | None:
-        """The key's record when it was read lately, is good and has no limits (nothing
-        to ask the store before its request goes on), without waiting; None when
-        ``check`` must read it, refuses it, or the store must admit its request. With
+        """The key's record when it was read lately and is good, without waiting; None
+        when ``check`` must read it or refuses it. (Whether its limits admit the request
+        is admission's to decide.) With
         ``memo``, a dict kept as long as the client's connection, the key is hashed once
         for as long as the connection sends it (``_digest_once``)."""
         known = self._fresh(key)
@@ -251,8 +249,6 @@ class KeyCache:
                 # Hashed as a wrong secret is, below: the two take the same time.
                 hmac.compare_digest(_NO_DIGEST, _digest(key) if memo is None
                                     else _digest_once(key, memo))
-            return None
-        if known.limited:
             return None
         verdict = known.judge(key, None, None if memo is None else _digest_once(key, memo))
         return None if isinstance(verdict, str) else verdict

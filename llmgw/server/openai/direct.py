@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from llmgw.config import Gateway
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.proxy import (
@@ -51,8 +50,7 @@ from llmgw.transport.errors import Undelivered
 from llmgw.transport.writer import BodyWriter
 
 if TYPE_CHECKING:
-    from llmgw.server.metrics import Metrics
-    from llmgw.server.openai.usage import UsageRecorder
+    from llmgw.server.openai.admission import Ask, GatewayContext
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +68,27 @@ class Exchange:
     not take it and why under ``REFUSED`` (a retry, counted in ``metrics``), or with no
     extensions when it was not the replica's fault (a kept-alive connection the engine
     had closed before the request reached it). Once the answer is over, however it
-    ended, it is counted in ``metrics`` as a request for ``model`` of ``kind``
-    (``metrics.endpoint_kind``), and what it used (``usage.add``, for the key
-    ``key_id``), unless ``usage`` is None."""
+    ended, it is counted in the gateway's metrics as a request for the ask's model and
+    kind, and what it used against the ask's key, if it has one."""
 
     __slots__ = ("_answer", "_began", "_fall_back", "_gateway", "_kept", "_key_id", "_kind",
                  "_lease", "_metrics", "_model", "_over", "_reader", "_relayed", "_relaying",
                  "_status", "_stream", "_streaming", "_usage", "_writer")
 
-    def __init__(self, answer: Answer, lease: Lease, gateway: Gateway, writer: BodyWriter,
-                 metrics: Metrics, model: str, kind: str, usage: UsageRecorder | None,
-                 key_id: int | None, fall_back: Callable[[dict | None], None], *,
-                 stream: bool):
+    def __init__(self, state: GatewayContext, ask: Ask, lease: Lease, answer: Answer,
+                 writer: BodyWriter, fall_back: Callable[[dict | None], None]):
         self._answer = answer
-        self._stream = stream  # the client asked for a stream
+        self._stream = ask.stream  # the client asked for a stream
         self._lease = lease
-        self._gateway = gateway
+        self._gateway = state.config.gateway
         self._writer = writer
-        self._metrics = metrics
-        self._model = model
-        self._kind = kind
-        self._usage = usage
-        self._key_id = key_id
+        self._metrics = state.metrics
+        self._model = ask.model
+        self._kind = ask.kind
+        key = ask.key
+        # Copied out of the ask: each is read on the answer's callbacks.
+        self._usage = state.usage if key is not None else None
+        self._key_id = key.id if key is not None else None
         self._fall_back = fall_back
         self._began = time.perf_counter()
         self._status = 0  # the answer's, once started

@@ -11,9 +11,10 @@ so the engine stops generating for nobody.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -25,6 +26,9 @@ from llmgw.transport.answer import Answer
 from llmgw.transport.errors import ConnectError, UpstreamError, UpstreamTimeout
 from llmgw.transport.pool import JSON_TYPE, Pool
 from llmgw.transport.writer import BodyWriter
+
+if TYPE_CHECKING:
+    from llmgw.server.openai.admission import Ask, GatewayContext
 
 log = logging.getLogger(__name__)
 
@@ -78,23 +82,24 @@ class Progress(Protocol):
 ACCEPT_STREAM = b"text/event-stream"
 
 
-async def forward(pool: Pool, lease: Lease, path: str, body: bytes, stream: bool,
-                  gateway: Gateway, send: Send, progress: Progress,
-                  usage: UsageSink | None = None, writer: BodyWriter | None = None,
-                  content_type: bytes = JSON_TYPE) -> None:
-    """Forward one request on ``lease`` and write the answer with ``send``; where the
+async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
+                  progress: Progress, writer: BodyWriter | None = None) -> None:
+    """Forward ``ask`` on ``lease`` and write the answer with ``send``; where the
     server offers a ``writer``, a stream's chunks go through it, and a response's head
     leaves in one write with the first bytes that came with it. Raises ``Retryable`` or
     ``ApiError`` only before anything was sent to the client; the lease is released however
-    this ends. ``usage``, when given, is called once with the tokens the engine reported
-    for a successful answer (None when it reported none)."""
-    endpoint = lease.endpoint
+    this ends. What a successful answer used (the tokens the engine reported, or None) is
+    counted once against the request's key, if it has one."""
+    endpoint, gateway, stream = lease.endpoint, state.config.gateway, ask.stream
+    usage = (None if ask.key is None
+             else functools.partial(state.usage.add, ask.key.id, ask.model))
     try:
         try:
-            upstream = await pool.post(
-                endpoint.host, endpoint.port, path, body, ACCEPT_STREAM if stream else JSON_TYPE,
+            upstream = await state.upstream.post(
+                endpoint.host, endpoint.port, ask.path, ask.body,
+                ACCEPT_STREAM if stream else JSON_TYPE,
                 first_byte_timeout_s=gateway.first_byte_timeout_s,
-                idle_timeout_s=gateway.idle_timeout_s, content_type=content_type)
+                idle_timeout_s=gateway.idle_timeout_s, content_type=ask.content_type)
         except UpstreamError as err:
             raise no_head(err, lease.replica, gateway) from None
         try:

@@ -3,46 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import difflib
-import functools
 import logging
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import msgspec
 import multipart
 from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
-from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
 from llmgw.server.metrics import endpoint_kind
+from llmgw.server.openai.admission import (
+    Ask,
+    GatewayContext,
+    Head,
+    admit,
+    authorize,
+    decide,
+    no_replica,
+)
 from llmgw.server.openai.direct import REFUSED, Exchange
 from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
-from llmgw.server.openai.router import Saturated
-from llmgw.store import ApiKeyRecord
+from llmgw.server.openai.router import Lease
 from llmgw.transport.pool import JSON_TYPE, request_bytes
 from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
-if TYPE_CHECKING:
-    from llmgw.config import ServerConfig
-    from llmgw.server.auth import KeyCache
-    from llmgw.server.controller import Controller
-    from llmgw.server.metrics import Metrics
-    from llmgw.server.openai.router import Router
-    from llmgw.server.openai.usage import UsageRecorder
-    from llmgw.store import Store
-    from llmgw.transport.pool import Pool
-
 log = logging.getLogger(__name__)
 
-# Longer than any model's name: one that long is not looked for among close names.
-_LONGEST_NAME = 256
 # The largest request body taken: prompts with images run to megabytes, not more.
 MAX_BODY = 32 * 2**20
 
@@ -58,20 +47,7 @@ _MAX_ATTEMPTS = 3
 _WATCH_AFTER_S = 0.2
 
 
-class _Head(msgspec.Struct):
-    """What routing reads of a request; everything else is the engine's business."""
-
-    model: str | None = None
-    stream: bool = False
-    # Kept raw: whether they are there is all routing needs to know.
-    messages: msgspec.Raw = msgspec.Raw()
-    prompt: msgspec.Raw = msgspec.Raw()
-    input: msgspec.Raw = msgspec.Raw()
-    # Raw too: only a key for affinity, whatever type a client sends.
-    user: msgspec.Raw = msgspec.Raw()
-
-
-_head_decoder = msgspec.json.Decoder(_Head)
+_head_decoder = msgspec.json.Decoder(Head)
 
 # msgspec's decoder recurses once a level of nesting, what it passes over included, as far
 # as CPython's recursion limit lets it (1,000 frames less the server's own: about 980
@@ -82,16 +58,7 @@ TOO_DEEP = ("the JSON body is nested too deeply: the gateway reads JSON nested s
             "hundred levels, far more than any OpenAI request needs")
 
 
-def _affinity(head: _Head) -> bytes | None:
-    """The request's affinity key (``routing.affinity_key``): its ``user``, else the first
-    bytes of its ``messages`` or ``prompt``, copied from the body only as far as the key
-    reads (a conversation with images runs to megabytes: 27 µs a megabyte copied whole)."""
-    conversation = head.messages or head.prompt
-    return affinity_key(bytes(head.user),
-                        bytes(memoryview(conversation)[:DEFAULT_PREFIX_BYTES]))
-
-
-def _parse(body: bytes, required: str | None) -> _Head:
+def _parse(body: bytes, required: str | None) -> Head:
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     if not body.isascii():
@@ -135,7 +102,7 @@ _FORM_FIELDS = frozenset({"model", "stream", "user"})
 _FORM = b"multipart/form-data"
 
 
-def _parse_form(body: bytes, content_type: bytes) -> _Head:
+def _parse_form(body: bytes, content_type: bytes) -> Head:
     """``model``, ``stream`` and ``user`` of a multipart/form-data body; the files in it
     are only scanned past (the engine reads them)."""
     _, options = multipart.parse_options_header(content_type.decode("latin-1"))
@@ -163,47 +130,8 @@ def _parse_form(body: bytes, content_type: bytes) -> _Head:
     if not model:
         raise ApiError(400, "the form has no `model` field; name one of GET /v1/models",
                        param="model", code="missing_field")
-    return _Head(model=model, stream=fields.get("stream", b"").strip().lower() == b"true",
+    return Head(model=model, stream=fields.get("stream", b"").strip().lower() == b"true",
                  user=msgspec.Raw(fields.get("user", b"")))
-
-
-async def _authorize(state, authorization: str | None) -> ApiKeyRecord | None:
-    """Check the API key; its record (``None`` where no key is required)."""
-    if not state.config.auth.require_api_key:
-        return None
-    key = bearer(authorization)
-    if key is None:
-        raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
-                       code="missing_api_key")
-    record = await state.api_keys.check(key)
-    if isinstance(record, str):
-        raise ApiError(401, record, code="invalid_api_key")
-    return record
-
-
-def _may_use(catalog, name: str, allowed: list[str] | None) -> bool:
-    """The model is declared, and the key (``allowed``: its models, None for all) may use it."""
-    return catalog.get(name) is not None and (allowed is None or name in allowed)
-
-
-def _model_or_404(state, name: str, allowed: list[str] | None) -> None:
-    catalog = state.controller.catalog
-    if _may_use(catalog, name, allowed):
-        return
-    visible = [m for m in catalog.names() if allowed is None or m in allowed]
-    if catalog.get(name) is not None:
-        raise ApiError(403, f"this API key may not use model {name!r}", param="model",
-                       code="model_not_allowed")
-    if len(name) > _LONGEST_NAME:
-        # No model is called that: no close names (difflib indexes every character of
-        # it, seconds of the event loop for a body's worth), and not echoed whole.
-        close, name = [], name[:_LONGEST_NAME] + "…"
-    else:
-        close = difflib.get_close_matches(name, visible, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else (
-        f"; available: {', '.join(visible)}" if visible else "; no models are declared")
-    raise ApiError(404, f"the model {name!r} does not exist{hint}", param="model",
-                   code="model_not_found")
 
 
 async def _body(receive: Receive) -> bytes:
@@ -227,22 +155,6 @@ async def _send_error(send: Send, err: ApiError) -> None:
     headers, body = err.raw()
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-@dataclass(slots=True, eq=False)
-class GatewayContext:
-    """What the ``/v1`` routes use of the server, as plain attributes. (Litestar's State
-    answers each attribute through a ``__getattr__`` in Python, 0.33 µs; a request asked
-    it nine times.) In the app's state as ``gateway``."""
-
-    config: ServerConfig
-    controller: Controller
-    router: Router
-    store: Store
-    metrics: Metrics
-    usage: UsageRecorder
-    api_keys: KeyCache
-    upstream: Pool | None = None  # made in the app's lifespan, on its event loop
 
 
 # The field each known endpoint's body must have; any other POST under /v1 needs `model` only.
@@ -270,19 +182,17 @@ class GatewayFront:
     each streamed chunk passes through Litestar's exception middleware, router and send
     wrapper, which the gateway does not need: it answers its own errors.
 
-    And on llmgw's own server (``http.CallbackRoutes``), a chat, completion or embedding
-    request, streamed or not, that needs no wait before it goes to an engine (its API key
-    read lately and without limits, a replica with a free slot, an idle kept-alive
-    connection to it) is sent from the server's callback and answered from the engine
-    connection's (``direct.Exchange``):
-    no task, no coroutine, no ASGI message for it. Every other request, and one handed
-    back before anything was written (the engine refused it), goes through the same
-    routes in a task."""
+    And on llmgw's own server (``transport.writer.CallbackRoutes``), a chat, completion or
+    embedding request, streamed or not, that needs no wait before it goes to an engine
+    (its API key read lately, and ``admission.decide`` giving it a lease at once; an idle
+    kept-alive connection to the replica) is sent from the server's callback and answered
+    from the engine connection's (``direct.Exchange``): no task, no coroutine, no ASGI
+    message for it. Every other request, and one handed back before anything was written
+    (the engine refused it), goes through the same admission in a task."""
 
     def __init__(self, app: ASGIApp, state: GatewayContext):
         self.app = app
         self.state = state
-        self.served_now = 0  # requests ``serve_now`` took
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -322,28 +232,20 @@ class GatewayFront:
                                              writer.connection_memo)
             if record is None:
                 return False
-        model = head.model
-        if not _may_use(state.controller.catalog, model,
-                        record.allowed_models if record is not None else None):
-            return False  # the task path says why
-        gateway, router = state.config.gateway, state.router
-        key = _affinity(head) if gateway.affinity and router.choices(model) > 1 else None
-        lease = router.pick(model, key)
-        if lease is None:
-            return False
-        endpoint, stream = lease.endpoint, head.stream
+        ask = Ask(path, kind, head, body, JSON_TYPE, record)
+        lease = decide(state, ask)
+        if type(lease) is not Lease:
+            return False  # the task path waits for it, or says why not
+        endpoint, gateway = lease.endpoint, state.config.gateway
         answer = pool.send_now(
             endpoint.host, endpoint.port,
             request_bytes(endpoint.host, endpoint.port, path, body,
-                          ACCEPT_STREAM if stream else JSON_TYPE),
+                          ACCEPT_STREAM if ask.stream else JSON_TYPE),
             gateway.first_byte_timeout_s, gateway.idle_timeout_s)
         if answer is None:
             lease.release()
             return False
-        self.served_now += 1
-        Exchange(answer, lease, gateway, writer, state.metrics, model, kind,
-                 state.usage if record else None, record.id if record else None, fall_back,
-                 stream=stream)
+        Exchange(state, ask, lease, answer, writer, fall_back)
         return True
 
 
@@ -410,11 +312,12 @@ class _Seen:
             self.metrics.first_byte(self.model, time.perf_counter() - self.began)
 
 
-async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
-                 required: str | None, seen: _Seen) -> None:
+async def _serve(state: GatewayContext, scope: Scope, receive: Receive, send: Send,
+                 path: str, required: str | None, seen: _Seen) -> None:
     headers = dict(scope["headers"])  # built in C: quicker than a loop in Python
     authorization = headers.get(b"authorization")
-    record = await _authorize(state, authorization and authorization.decode("latin-1"))
+    # The key before the body: nobody without one has a body of up to MAX_BODY read.
+    record = await authorize(state, authorization and authorization.decode("latin-1"))
     body = await _body(receive)
     content_type = headers.get(b"content-type", b"")
     if required is None and content_type[:len(_FORM)].lower() == _FORM:
@@ -422,18 +325,11 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     else:
         head, content_type = _parse(body, required), JSON_TYPE
     seen.model, seen.stream = head.model, head.stream
-    _model_or_404(state, head.model, record.allowed_models if record else None)
-    usage = None
-    if record is not None:
-        if record.limits.any:
-            refusal = await state.store.admit(record.id, record.limits, datetime.now(UTC))
-            if refusal is not None:
-                state.metrics.refused(head.model, "rate_limit")
-                raise ApiError(429, refusal.message, code=refusal.code,
-                               headers={"retry-after": str(refusal.retry_after_s)})
-        usage = functools.partial(state.usage.add, record.id, head.model)
-    gateway = state.config.gateway
-    key = _affinity(head) if gateway.affinity else None
+    ask = Ask(path, endpoint_kind(path), head, body, content_type, record)
+    extensions = scope.get("extensions")
+    refused = extensions.get(REFUSED) if extensions else None
+    if refused is not None:
+        ask.refused_by(*refused)
 
     # If the client goes, this task is cancelled: the upstream request is then closed and
     # the engine stops generating for nobody. llmgw's server says so from the connection's
@@ -462,7 +358,6 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
         watcher = loop.create_task(_until_disconnect(receive))
         watcher.add_done_callback(on_disconnect)
 
-    extensions = scope.get("extensions")
     writer = extensions.get(BODY_WRITER) if extensions else None
     if writer is not None:
         if writer.disconnected:
@@ -471,8 +366,7 @@ async def _serve(state, scope: Scope, receive: Receive, send: Send, path: str,
     else:
         timer = loop.call_later(_WATCH_AFTER_S, watch)
     try:
-        await _route(state, head, key, path, body, send, usage, seen, writer, content_type,
-                     extensions.get(REFUSED) if extensions else None)
+        await _route(state, ask, send, seen, writer)
     except asyncio.CancelledError:
         if gone and handler.uncancel() == 0:
             raise ClientGone from None
@@ -492,33 +386,20 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _route(state, head: _Head, key: bytes | None, path: str, body: bytes,
-                 send: Send, usage, progress: Progress, writer: BodyWriter | None = None,
-                 content_type: bytes = JSON_TYPE, refused: tuple[str, str] | None = None
-                 ) -> None:
-    """``refused``: (replica, why) of a first attempt made elsewhere (GatewayFront.serve_now)."""
-    tried: set[str] = {refused[0]} if refused else set()
-    refusals = [refused[1]] if refused else []
-    for _ in range(_MAX_ATTEMPTS - len(tried)):
-        try:
-            lease = await state.router.acquire(head.model, key, exclude=tried)
-        except Saturated as err:
-            state.metrics.refused(head.model, err.code)
-            raise ApiError(429, str(err), code=err.code,
-                           headers={"retry-after": str(err.retry_after_s)}) from None
+async def _route(state: GatewayContext, ask: Ask, send: Send, progress: Progress,
+                 writer: BodyWriter | None) -> None:
+    """Admit the request and forward it, to another replica while one refuses it before
+    any engine worked on it (``proxy.Retryable``), up to _MAX_ATTEMPTS replicas in all."""
+    while len(ask.tried) < _MAX_ATTEMPTS:
+        lease = await admit(state, ask)
         if lease is None:
             break
         try:
-            return await forward(state.upstream, lease, path, body, head.stream,
-                                 state.config.gateway, send, progress, usage, writer,
-                                 content_type)
+            return await forward(state, lease, ask, send, progress, writer)
         except Retryable as err:
-            state.metrics.retry(head.model)
-            refusals.append(str(err))
-            tried.add(lease.replica)
-    why = "; ".join(refusals) if refusals else state.controller.why_not_ready(head.model)
-    raise ApiError(503, f"no replica of {head.model!r} can take the request: {why}",
-                   code="no_ready_replica", headers={"retry-after": "5"})
+            state.metrics.retry(ask.model)
+            ask.refused_by(lease.replica, str(err))
+    raise no_replica(state, ask)
 
 
 async def _litestar_route(scope: Scope, receive: Receive, send: Send, path: str) -> None:
@@ -552,7 +433,7 @@ async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None
 
 @get("/v1/models")
 async def list_models(request: Request) -> dict:
-    record = await _authorize(request.app.state.gateway, request.headers.get("authorization"))
+    record = await authorize(request.app.state.gateway, request.headers.get("authorization"))
     allowed = record.allowed_models if record else None
     catalog = request.app.state.controller.catalog
     created = int(request.app.state.started_at)

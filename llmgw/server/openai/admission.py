@@ -1,0 +1,211 @@
+"""Admission of a ``/v1`` request, written once: whether it goes to a replica now (a
+lease), waits (for the store to count it against its key's limits, or for a slot), or is
+refused (an ApiError saying why).
+
+A request is served one of two ways (routes.py): from the server's callbacks with no task
+(``GatewayFront.serve_now``), which takes only a request that needs no wait, or in a
+task, which awaits what the decision waits for and asks again. Both ask ``decide`` with
+the request's ``Ask``, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
+from llmgw.server.auth import bearer
+from llmgw.server.errors import ApiError
+from llmgw.server.openai.router import Lease, Saturated
+from llmgw.store import ApiKeyRecord
+
+if TYPE_CHECKING:
+    from llmgw.config import ServerConfig
+    from llmgw.core.catalog import Catalog
+    from llmgw.server.auth import KeyCache
+    from llmgw.server.controller import Controller
+    from llmgw.server.metrics import Metrics
+    from llmgw.server.openai.router import Router
+    from llmgw.server.openai.usage import UsageRecorder
+    from llmgw.store import Store
+    from llmgw.transport.pool import Pool
+
+# Longer than any model's name: one that long is not looked for among close names.
+_LONGEST_NAME = 256
+
+
+@dataclass(slots=True, eq=False)
+class GatewayContext:
+    """What the ``/v1`` routes use of the server, as plain attributes. (Litestar's State
+    answers each attribute through a ``__getattr__`` in Python, 0.33 µs; a request asked
+    it nine times.) In the app's state as ``gateway``."""
+
+    config: ServerConfig
+    controller: Controller
+    router: Router
+    store: Store
+    metrics: Metrics
+    usage: UsageRecorder
+    api_keys: KeyCache
+    upstream: Pool | None = None  # made in the app's lifespan, on its event loop
+
+
+class Head(msgspec.Struct):
+    """What routing reads of a request's body; everything else is the engine's business."""
+
+    model: str | None = None
+    stream: bool = False
+    # Kept raw: whether they are there is all routing needs to know.
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+    # Raw too: only a key for affinity, whatever type a client sends.
+    user: msgspec.Raw = msgspec.Raw()
+
+
+class Ask:
+    """One ``/v1`` request as routing knows it, from its admission to its answer: what it
+    is (``path``, its metrics ``kind``, ``head``, ``body``, ``content_type``), whose it is
+    (``key``: the API key's record, None where no key is required), and how far it got
+    (``admitted``: counted against the key's limits; ``tried`` and ``refusals``: the
+    replicas that did not take it, and why)."""
+
+    __slots__ = ("_affinity", "admitted", "body", "content_type", "head", "key", "kind",
+                 "model", "path", "refusals", "stream", "tried")
+
+    def __init__(self, path: str, kind: str, head: Head, body: bytes, content_type: bytes,
+                 key: ApiKeyRecord | None) -> None:
+        self.path = path
+        self.kind = kind
+        self.head = head
+        self.model: str = head.model  # type: ignore[assignment]  # parsing checked it
+        self.stream = head.stream
+        self.body = body
+        self.content_type = content_type
+        self.key = key
+        self.admitted = key is None or not key.limits.any
+        self.tried: set[str] = set()
+        self.refusals: list[str] = []
+        self._affinity: bytes | bool | None = False  # False: not worked out yet
+
+    def affinity(self, router: Router) -> bytes | None:
+        """The request's affinity key (``routing.affinity_key``): its ``user``, else the
+        first bytes of its ``messages`` or ``prompt``, copied from the body only as far as
+        the key reads (a conversation with images runs to megabytes: 27 µs a megabyte
+        copied whole). None while the model has one replica: there is nothing to choose."""
+        if self._affinity is False:
+            if router.choices(self.model) < 2:
+                return None
+            head = self.head
+            conversation = head.messages or head.prompt
+            self._affinity = affinity_key(
+                bytes(head.user), bytes(memoryview(conversation)[:DEFAULT_PREFIX_BYTES]))
+        return self._affinity  # type: ignore[return-value]
+
+    def refused_by(self, replica: str, why: str) -> None:
+        """``replica`` did not take the request (no engine worked on it): try another."""
+        self.tried.add(replica)
+        self.refusals.append(why)
+
+
+class Wait(enum.Enum):
+    """What a request must wait for before it can go."""
+
+    LIMITS = "the store, to count it against its key's limits"
+    SLOT = "a free slot on a replica"
+
+
+def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
+    """Go with a lease on a replica with a free slot, wait, or be refused; in that order:
+    the key may use the model (403), the model exists (404), the key's limits admit it
+    (waits for the store), a replica not yet tried has a free slot (waits in its queue).
+    The lease, when there is one, is the caller's to release."""
+    model = ask.model
+    catalog = state.controller.catalog
+    allowed = ask.key.allowed_models if ask.key is not None else None
+    if catalog.get(model) is None or (allowed is not None and model not in allowed):
+        return not_usable(catalog, model, allowed)
+    if not ask.admitted:
+        return Wait.LIMITS
+    router = state.router
+    if not state.config.gateway.affinity:
+        lease = router.pick(model, None, ask.tried)
+    else:
+        lease = router.pick(model, ask.affinity(router), ask.tried)
+    return Wait.SLOT if lease is None else lease
+
+
+async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
+    """``decide``, waiting for what it waits for: a lease, or None when the model has no
+    ready replica left to try (503). Raises the ApiError of a refusal (a 429 from the
+    key's limits or a full queue among them)."""
+    while True:
+        decision = decide(state, ask)
+        if type(decision) is Lease:
+            return decision
+        if decision is Wait.LIMITS:
+            key = ask.key
+            refusal = await state.store.admit(key.id, key.limits, datetime.now(UTC))
+            if refusal is not None:
+                state.metrics.refused(ask.model, "rate_limit")
+                raise ApiError(429, refusal.message, code=refusal.code,
+                               headers={"retry-after": str(refusal.retry_after_s)})
+            ask.admitted = True
+        elif decision is Wait.SLOT:
+            router = state.router
+            affinity = ask.affinity(router) if state.config.gateway.affinity else None
+            try:
+                return await router.acquire(ask.model, affinity, exclude=ask.tried)
+            except Saturated as err:
+                state.metrics.refused(ask.model, err.code)
+                raise ApiError(429, str(err), code=err.code,
+                               headers={"retry-after": str(err.retry_after_s)}) from None
+        else:
+            raise decision
+
+
+def no_replica(state: GatewayContext, ask: Ask) -> ApiError:
+    """The 503 of a request no replica took: why each one tried did not, or why the model
+    has none ready."""
+    why = ("; ".join(ask.refusals) if ask.refusals
+           else state.controller.why_not_ready(ask.model))
+    return ApiError(503, f"no replica of {ask.model!r} can take the request: {why}",
+                    code="no_ready_replica", headers={"retry-after": "5"})
+
+
+async def authorize(state: GatewayContext, authorization: str | None) -> ApiKeyRecord | None:
+    """The API key's record (None where no key is required); a 401 saying why otherwise."""
+    if not state.config.auth.require_api_key:
+        return None
+    key = bearer(authorization)
+    if key is None:
+        raise ApiError(401, "no API key: send `Authorization: Bearer llmgw_...`",
+                       code="missing_api_key")
+    record = await state.api_keys.check(key)
+    if isinstance(record, str):
+        raise ApiError(401, record, code="invalid_api_key")
+    return record
+
+
+def not_usable(catalog: Catalog, name: str, allowed: list[str] | None) -> ApiError:
+    """Why a key (``allowed``: its models, None for all) may not use model ``name``: it is
+    not among the key's (403), or there is no such model (404, with close names)."""
+    visible = [m for m in catalog.names() if allowed is None or m in allowed]
+    if catalog.get(name) is not None:
+        return ApiError(403, f"this API key may not use model {name!r}", param="model",
+                        code="model_not_allowed")
+    if len(name) > _LONGEST_NAME:
+        # No model is called that: no close names (difflib indexes every character of
+        # it, seconds of the event loop for a body's worth), and not echoed whole.
+        close, name = [], name[:_LONGEST_NAME] + "…"
+    else:
+        close = difflib.get_close_matches(name, visible, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else (
+        f"; available: {', '.join(visible)}" if visible else "; no models are declared")
+    return ApiError(404, f"the model {name!r} does not exist{hint}", param="model",
+                    code="model_not_found")
