@@ -19,7 +19,8 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.testing import AsyncTestClient
 
-from llmgw.cli import ctl
+from llmgw.cli.ctl import client as ctl
+from llmgw.cli.ctl.keys import _limit_value
 from llmgw.cli.main import parser
 from llmgw.core.usage import Limits
 from llmgw.server.admin import keys as admin_keys
@@ -274,8 +275,8 @@ async def test_ctl_refusals_are_clear(world, run_ctl) -> None:
 
 
 def test_limit_values_parse() -> None:
-    assert ctl._limit_value("none") is None and ctl._limit_value("Unlimited") is None
-    assert ctl._limit_value("1,000,000") == 1_000_000
+    assert _limit_value("none") is None and _limit_value("Unlimited") is None
+    assert _limit_value("1,000,000") == 1_000_000
     for bad in ("0", "-3", "lots", "1.5"):
         with pytest.raises(Exception, match="is not a limit"):
-            ctl._limit_value(bad)
+            _limit_value(bad)

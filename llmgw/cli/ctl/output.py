@@ -1,0 +1,55 @@
+"""What ctl prints: a table for people, or with ``--json`` one JSON document on stdout.
+
+rich is imported only when a table is printed: every ``llmgw`` command builds ctl's
+parser first, and most never print a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def print_json(value) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def table(rows: list[dict], columns: list[str], title: str | None = None,
+          whole: bool = True) -> None:
+    """One table: a column per name in ``columns``, a row per dict (a missing value blank).
+
+    ``whole``: the first column names the row (a key's prefix, a node, a model) for the
+    next command, so it stays on one line, and nothing is cut short with "…": a narrow
+    terminal folds a value onto more lines. Without it, rich's defaults: a word too long
+    for its column is cut short, which keeps a wide overview readable on a narrow terminal.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    shown = Table(title=title, title_justify="left")
+    for n, column in enumerate(columns):
+        if whole:
+            shown.add_column(column, no_wrap=n == 0, overflow="fold")
+        else:
+            shown.add_column(column)
+    for row in rows:
+        shown.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    Console(highlight=False).print(shown)
+
+
+def show(args: argparse.Namespace, value: list[dict], columns: list[str], title: str,
+         rows: list[dict] | None = None) -> None:
+    """``value`` as the API gave it with ``--json``; else a table of ``rows`` (by default
+    ``value`` itself), the people's version of it."""
+    if args.json:
+        print_json(value)
+    else:
+        table(value if rows is None else rows, columns, title)
+
+
+def done(args: argparse.Namespace, reply, text: str) -> None:
+    """What a command that acts prints: the server's reply with ``--json``, else ``text``."""
+    if args.json:
+        print_json(reply)
+    else:
+        print(text)
