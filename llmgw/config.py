@@ -170,6 +170,8 @@ class MetricsSettings(_Config):
     token_file: str | None = None
 
 
+# The engines a node installs, by name: the one list of them (core.engine_names reads it;
+# it is written here because server.yaml's keys are checked against it as it is read).
 InstallableEngine = Literal["llama.cpp", "vllm", "sglang", "comfyui"]
 
 

@@ -95,7 +95,6 @@ class Inventory(_Struct):
     gpu_driver: str = ""
     cuda: str = ""  # the CUDA version the driver supports
     engines: list[Engine] = []
-    engines_probed: bool = False
     fabric: str | None = None
     labels: dict[str, str] = {}
     disabled_engines: list[str] = []

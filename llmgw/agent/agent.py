@@ -33,6 +33,8 @@ from llmgw.agent.runtime import (
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.agent.weights import WeightsStore
 from llmgw.config import AgentConfig, AgentTls, ConfigError
+from llmgw.core import engine_names
+from llmgw.core.backoff import jittered_delay_s
 from llmgw.core.inventory import inventory_changes
 from llmgw.core.names import is_loopback_host
 from llmgw.engines import ADAPTERS, HELPER_BINARIES
@@ -118,11 +120,6 @@ def stream_url(server: str) -> str:
     return server + STREAM_PATH
 
 
-def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
-    """Full jitter: anywhere between zero and the exponential ceiling."""
-    return rng.uniform(0, min(max_s, initial_s * 2 ** min(attempt, 32)))
-
-
 async def choose_runtime(config: AgentConfig) -> Runtime:
     """systemd units where a manager answers on the configured bus (required with
     ``runtime: systemd``), else plain processes; the log says which and why."""
@@ -199,7 +196,8 @@ class Agent:
                 for p in infiniband.discover_infiniband()]
         weights_dirs = self.weights.scan()
         held = sorted({key for d in weights_dirs for key in d.held})
-        engines = [wire.Engine(name="sim", version=__version__, state="installed")]
+        engines = [wire.Engine(name=name, version=__version__, state="installed")
+                   for name in engine_names.BUILTIN]
         for name, e in sorted(self.config.engines.items()):
             if name in HELPER_BINARIES:
                 continue
@@ -212,7 +210,7 @@ class Agent:
         engines += self.installer.reported()
         return wire.Inventory(
             **facts, gpus=list(found.gpus), gpu_driver=found.driver, cuda=found.cuda,
-            engines=engines, engines_probed=True, fabric=self.config.fabric,
+            engines=engines, fabric=self.config.fabric,
             weights=held, weights_dirs=weights_dirs, rdma=rdma,
             labels=dict(self.config.labels),
             disabled_engines=sorted(self.config.disable_engines),
@@ -286,8 +284,9 @@ class Agent:
                     self._connected = False
                 if time.monotonic() - began >= _HEALTHY_SESSION_S:
                     attempt = 0
-                delay = backoff_delay(attempt, self.config.reconnect.initial_s,
-                                      self.config.reconnect.max_s, self._rng)
+                # attempt counts the failures before this one.
+                delay = jittered_delay_s(attempt + 1, self.config.reconnect.initial_s,
+                                         self.config.reconnect.max_s, self._rng.random())
                 log.warning("stream to %s ended (%s); reconnecting in %.1f s", server, reason,
                             delay)
                 attempt += 1

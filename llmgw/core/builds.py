@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmgw.core import engine_names
 from llmgw.core.names import NameRuleError, check_element
 
 # CUDA line -> the oldest Linux driver NVIDIA names for it.
@@ -45,8 +46,8 @@ CUDA_LINES: dict[str, str] = {
     "cu130": "13.0", "cu129": "12.9", "cu128": "12.8"}
 _TORCH_INDEX = {"cu129": PYTORCH_CU129_INDEX}  # where torch comes from other than PyPI
 
-ENGINES = ("llama.cpp", "vllm", "sglang", "comfyui")
-# Builds an operator may choose per node (besides auto and none).
+# Builds an operator may choose per node (besides auto and none), for each installable
+# engine (tests/unit/test_builds.py holds the keys to core.engine_names).
 BUILD_NAMES: dict[str, tuple[str, ...]] = {
     "llama.cpp": (*(f"cuda-{v}" for v, _ in LLAMA_CPP_CUDA), "vulkan", "cpu"),
     "vllm": ("cu130", "cu129", "cu128"),
@@ -159,7 +160,7 @@ def candidate_builds(engine: str, version: str, node: NodeFacts,
         return Refusal(str(err))
     if engine not in BUILD_NAMES:
         return Refusal(f"this agent cannot install {engine}; it installs "
-                       + ", ".join(ENGINES))
+                       + ", ".join(engine_names.INSTALLABLE))
     if choice not in ("auto", *BUILD_NAMES[engine]):
         return Refusal(f"{engine} has no build {choice!r}; choose auto, none or one of "
                        + ", ".join(BUILD_NAMES[engine]))

@@ -5,14 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmgw import config
+from llmgw.core import engine_names
 from llmgw.core.names import NameRuleError, check_element, check_model_name
 from llmgw.core.weights import SourceError, check_patterns, parse_source, weights_key
-
-# Engines that ship inside llmgw: every node can run them, nothing to install.
-BUILTIN_ENGINES = frozenset({"sim"})
-KNOWN_ENGINES = frozenset({"sim", "llama.cpp", "vllm", "sglang", "comfyui"})
-# Engines that run on one GPU of one node, whatever a profile asks.
-SINGLE_GPU_ENGINES = frozenset({"comfyui"})
 
 
 class CatalogError(ValueError):
@@ -102,12 +97,12 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
             check_element(p.name, "profile name")
         except NameRuleError as err:
             raise CatalogError(f"{at}.name: {err}") from None
-        if p.engine not in KNOWN_ENGINES:
+        if p.engine not in engine_names.ALL:
             raise CatalogError(
                 f"{at}.engine: unknown engine {p.engine!r}; use one of "
-                + ", ".join(sorted(KNOWN_ENGINES))
+                + ", ".join(sorted(engine_names.ALL))
             )
-        if p.engine in SINGLE_GPU_ENGINES and (p.nodes > 1 or p.gpus > 1):
+        if p.engine in engine_names.SINGLE_GPU and (p.nodes > 1 or p.gpus > 1):
             raise CatalogError(f"{at}: {p.engine} runs on one GPU of one node; "
                                "set nodes: 1 and gpus: 0 or 1")
         if p.gpu_memory_mib and not p.gpus:

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from llmgw.core.catalog import BUILTIN_ENGINES, Model, Profile
+from llmgw.core import engine_names
+from llmgw.core.catalog import Model, Profile
 from llmgw.core.inventory import Node, NodeState
 
 Strategy = Literal["binpack", "spread"]
@@ -128,7 +129,7 @@ def static_refusal(model: Model, profile: Profile, node: Node) -> str | None:
             return f"has no {model.selector.gpu_class} GPU"
     if profile.engine in node.disabled_engines:
         return f"{profile.engine} is disabled on this node"
-    if profile.engine not in BUILTIN_ENGINES:
+    if profile.engine not in engine_names.BUILTIN:
         engine = node.engine(profile.engine)
         if engine is None:
             return f"{profile.engine} is not installed"

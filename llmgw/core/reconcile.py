@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from llmgw.core.backoff import Retry, delay_s
 from llmgw.core.catalog import Catalog, Model
 from llmgw.core.inventory import Node, NodeState
 from llmgw.core.placement import (
@@ -33,13 +34,9 @@ class Policy:
     strategy: Strategy = "binpack"
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Crash-loop backoff for one model: how many failures in a row, and when the next
-    replica may be placed."""
-
-    failures: int = 0
-    not_before: float = 0.0
+# Crash-loop backoff for one model: how many failures in a row, and when the next replica
+# may be placed.
+Backoff = Retry
 
 
 # --- actions ---------------------------------------------------------------------------------
@@ -253,7 +250,7 @@ def plan(
             unplaced[model.name] = "a replica just failed; restarting after the backoff"
             continue
         backoff = backoffs.get(model.name, Backoff())
-        if now < backoff.not_before:
+        if not backoff.due(now):
             unplaced[model.name] = (
                 f"restarting after {backoff.failures} failure"
                 f"{'s' if backoff.failures != 1 else ''}, next try in "
@@ -303,10 +300,8 @@ def _take(usage: dict[str, NodeUsage], placement: Placement) -> None:
 def after_failure(backoff: Backoff, now: float, policy: Policy) -> Backoff:
     """One more failure in a row: wait 10 s, doubling up to 5 min (by default)."""
     failures = backoff.failures + 1
-    # Cap the exponent first: a model failing for days must not overflow the float.
-    doublings = min(failures - 1, 32)
-    delay = min(policy.restart_backoff_initial_s * 2**doublings, policy.restart_backoff_max_s)
-    return Backoff(failures, now + delay)
+    return Backoff(failures, now + delay_s(failures, policy.restart_backoff_initial_s,
+                                           policy.restart_backoff_max_s))
 
 
 def settle_backoffs(

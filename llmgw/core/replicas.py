@@ -15,11 +15,8 @@ from llmgw.core.placement import Placement
 
 
 class ReplicaState(enum.StrEnum):
-    PENDING = "pending"
-    PLACING = "placing"
     STARTING = "starting"
     READY = "ready"
-    DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
 
@@ -50,7 +47,6 @@ class Replica:
     reason: str = ""
     fabric: str | None = None
     rendezvous_port: int | None = None
-    adopted: bool = False
 
     def shard(self, rank: int) -> Shard | None:
         return next((s for s in self.shards if s.rank == rank), None)
@@ -91,7 +87,7 @@ def new_replica(replica_id: str, placement: Placement, epoch: int, now: float) -
 
 def _settle(replica: Replica, now: float) -> Replica:
     """Derive the replica's state from its shards."""
-    if replica.state in (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DRAINING):
+    if replica.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
         return replica
     failed = next((s for s in replica.shards if s.state in ("failed", "stopped")), None)
     if failed is not None:
@@ -172,7 +168,6 @@ def adopt(
             state=ReplicaState.STARTING,
             created_at=now,
             reason="adopted from running shards",
-            adopted=True,
         )
     elif replica.epoch > epoch:
         return replica

@@ -4,7 +4,8 @@ Every adapter module has the same shape: ``NAME``; ``render(request, node) -> La
 pure; ``help_argv(argv)``, the command that prints the help of the program a rendered
 argv runs (with how many tokens name the program, and how long a full help text is);
 ``widest()``, every shape of request llmgw can make of it (engine-check renders these and
-checks each flag).
+checks each flag). ``ADAPTERS`` holds one per name in core.engine_names, the list of
+engines (tests/unit/test_engines.py holds the two to each other).
 """
 
 from __future__ import annotations

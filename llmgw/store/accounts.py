@@ -57,6 +57,15 @@ class AccountsMixin:
             disabled_at=account.disabled_at,
         )
         async with self._tx() as s:
+            # The invite first: whether a name is taken is told only to someone holding a
+            # good invite. Claimed here, it is given back if the name is taken (the
+            # transaction rolls back).
+            if invite_code_hash is not None and not await _use_invite(
+                s, invite_code_hash, None, account.created_at
+            ):
+                raise InviteUnusable(
+                    "the invite is unknown, already used or expired; ask for a new one"
+                )
             s.add(row)
             try:
                 await s.flush()
@@ -64,12 +73,10 @@ class AccountsMixin:
                 raise UsernameTaken(
                     f"an account named {account.username!r} already exists; choose another username"
                 ) from exc
-            if invite_code_hash is not None and not await _use_invite(
-                s, invite_code_hash, row.id, account.created_at
-            ):
-                raise InviteUnusable(
-                    "the invite is unknown, already used or expired; ask for a new one"
-                )
+            if invite_code_hash is not None:
+                await s.execute(update(InviteRow)
+                                .where(InviteRow.code_hash == invite_code_hash)
+                                .values(used_by=row.id))
             return row.to_record()
 
     async def get_account(self, account_id: int) -> AccountRecord | None:
@@ -216,7 +223,8 @@ class AccountsMixin:
             return await _use_invite(s, code_hash, account_id, at)
 
 
-async def _use_invite(s: AsyncSession, code_hash: str, account_id: int, at: datetime) -> bool:
+async def _use_invite(s: AsyncSession, code_hash: str, account_id: int | None,
+                      at: datetime) -> bool:
     # One statement: PostgreSQL re-checks the WHERE after waiting on a concurrent
     # update of the row, SQLite has one writer at a time. "Unused" is used_at IS NULL:
     # used_by turns NULL again if the account that used it is deleted.

@@ -18,9 +18,9 @@ import pytest
 
 from llmgw import wire
 from llmgw.agent import shards
-from llmgw.agent.discovery.gpus import FakeNvml
 from llmgw.agent.runtime import ProcessRuntime
 from llmgw.agent.shards import ShardSupervisor
+from tests.fakes.nvml import FakeNvml
 from tests.integration.cluster import free_port
 
 

@@ -246,6 +246,21 @@ async def test_add_account_with_invite_is_all_or_nothing(store: Store) -> None:
     assert await store.count_accounts() == 2  # alice and the one racer
 
 
+async def test_a_taken_name_is_told_only_to_a_good_invite_and_costs_it_nothing(
+        store: Store) -> None:
+    await store.add_account(account("alice"))
+    # A made-up invite learns nothing of which names exist.
+    with pytest.raises(InviteUnusable):
+        await store.add_account(account("alice"), invite_code_hash=digest("made-up"))
+    await store.add_invite(invite("good"))
+    with pytest.raises(UsernameTaken):
+        await store.add_account(account("alice"), invite_code_hash=digest("good"))
+    # The invite is still unused, and takes another name.
+    assert (await store.find_invite(digest("good"))).used_at is None
+    bob = await store.add_account(account("bob"), invite_code_hash=digest("good"))
+    assert (await store.find_invite(digest("good"))).used_by == bob.id
+
+
 # API keys by account ---------------------------------------------------------------
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw.core import engine_names
 from llmgw.core.builds import (
+    BUILD_NAMES,
     CUDA_DRIVER_FLOORS,
+    MIN_COMPUTE,
+    PYTHON_ENGINE_DISK_MIB,
     Build,
     NodeFacts,
     Refusal,
@@ -72,7 +76,13 @@ def test_the_cuda_lines_each_engine_needs_a_driver_for():
     assert cuda_lines("sim") == ()
 
 
-@pytest.mark.parametrize("engine", ["llama.cpp", "vllm", "sglang", "comfyui"])
+def test_every_installable_engine_has_builds_and_only_those_do():
+    assert sorted(BUILD_NAMES) == sorted(engine_names.INSTALLABLE)
+    assert set(MIN_COMPUTE) == set(engine_names.INSTALLABLE)
+    assert set(PYTHON_ENGINE_DISK_MIB) < set(engine_names.INSTALLABLE)
+
+
+@pytest.mark.parametrize("engine", engine_names.INSTALLABLE)
 def test_gpu_builds_are_what_candidate_builds_offers_a_new_driver(engine):
     version = {"llama.cpp": "b11434", "vllm": "0.30.0", "sglang": "0.5.23",
                "comfyui": "0.3.60"}[engine]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw import config, wire
+from llmgw.core import engine_names
 from llmgw.core.desired_engines import desired_engines, settings_problems
 
 V100 = wire.Gpu(index=0, name="Tesla V100-SXM2-32GB", memory_total_mib=32768,
@@ -157,3 +158,9 @@ def test_a_comfyui_version_without_a_pinned_sha256_is_named_at_start():
 def test_an_unknown_engine_in_server_yaml_is_a_config_error_naming_the_key():
     with pytest.raises(config.ConfigError, match="engines"):
         server(engines={"vlm": {}})
+
+
+def test_every_installable_engine_can_be_asked_for():
+    cfg = server(engines={name: {"version": "1.0"} for name in engine_names.INSTALLABLE})
+    every = register(installable=engine_names.INSTALLABLE)
+    assert asked(cfg, every) == dict.fromkeys(engine_names.INSTALLABLE, "1.0")

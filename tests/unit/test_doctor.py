@@ -12,15 +12,11 @@ import pytest
 
 from llmgw.agent import doctor
 from llmgw.agent.discovery import host
-from llmgw.agent.discovery.gpus import (
-    FakeNvml,
-    fake_h100_x8,
-    fake_no_library,
-    fake_single_4090,
-)
 from llmgw.agent.discovery.tls import TlsFile, TlsReport
 from llmgw.cli import doctor as doctor_cli
 from llmgw.config import AgentConfig, parse
+from llmgw.core import engine_names
+from tests.fakes.nvml import FakeNvml, fake_h100_x8, fake_no_library, fake_single_4090
 from tests.unit.test_tls_files import Issued, issue
 
 SYSFS_IB = Path(__file__).resolve().parents[1] / "data" / "sysfs" / "infiniband"
@@ -675,8 +671,7 @@ def test_json_report_shape(tmp_path):
     assert server["route"] == {"destination": "10.0.0.1", "source": "10.0.0.5",
                                "interface": "eth0", "gateway": "10.0.0.254"}
     assert server["reachable"] is True and server["skew_s"] == pytest.approx(90.0)
-    assert {c["engine"] for c in payload["can_run"]} == {
-        "sim", "llama.cpp", "vllm", "sglang", "comfyui"}
+    assert {c["engine"] for c in payload["can_run"]} == set(engine_names.ALL)
     assert set(payload["can_run"][0]) == {"engine", "build", "can", "why"}
 
 

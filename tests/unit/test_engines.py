@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw import engines
+from llmgw.core import engine_names
 from llmgw.engines import comfyui, llamacpp, sglang, sim, vllm
 from llmgw.engines.base import EngineError, Launch, NodeFacts, ShardRequest
 
@@ -493,7 +494,7 @@ def test_comfyui_refuses_two_nodes():
 
 # --- every engine -------------------------------------------------------------------------
 
-ALL = ("sim", "llama.cpp", "vllm", "sglang", "comfyui")
+ALL = engine_names.ALL
 SHAPES = {
     "one-gpu": (one(GPU1, weights="/models/m.gguf"), LEADER),
     "eight-gpus": (one(GPU8, weights="/models/m.gguf"), LEADER),
@@ -605,11 +606,11 @@ def test_unknown_engine_lists_the_known_ones():
         engines.render("tgi", one(GPU1), LEADER)
 
 
-def test_adapters_are_keyed_by_name():
-    known = dict(engines.ADAPTERS)
-    assert known == {
-        "sim": sim, "llama.cpp": llamacpp, "vllm": vllm, "sglang": sglang, "comfyui": comfyui,
-    }
+def test_there_is_one_adapter_for_each_engine_name_and_no_other():
+    """core.engine_names is the list; the adapters each carry their NAME, and must agree."""
+    modules = (sim, llamacpp, vllm, sglang, comfyui)
+    assert sorted(m.NAME for m in modules) == sorted(engine_names.ALL)
+    assert dict(engines.ADAPTERS) == {m.NAME: m for m in modules}
 
 
 @pytest.mark.parametrize("engine", ALL)

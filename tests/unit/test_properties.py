@@ -13,6 +13,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw.core import engine_names
 from llmgw.core.catalog import Catalog, Model, Profile
 from llmgw.core.inventory import EngineStatus, Gpu, Node, NodeState
 from llmgw.core.names import replica_id
@@ -20,7 +21,8 @@ from llmgw.core.reconcile import Place, Plan, Reap, Stop, plan
 from llmgw.core.replicas import Replica, ReplicaState, apply_status, new_replica
 
 FABRICS = (None, "ib-a", "ib-b", "ib-c")
-ENGINES = ("vllm", "llama.cpp", "sglang")
+# The engines a node installs that a profile may spread over GPUs and nodes.
+ENGINES = tuple(e for e in engine_names.INSTALLABLE if e not in engine_names.SINGLE_GPU)
 GPU_MIB = (24564, 49140, 81559)
 
 SETTINGS = settings(
@@ -79,7 +81,7 @@ def profiles(draw, index: int) -> Profile:
     gpus = draw(st.sampled_from((0, 0, 1, 1, 2, 4, 8)))
     return Profile(
         name=f"p{index}",
-        engine=draw(st.sampled_from(("sim", "sim", *ENGINES))),
+        engine=draw(st.sampled_from((*engine_names.BUILTIN * 2, *ENGINES))),
         nodes=draw(st.integers(1, 3)),
         gpus=gpus,
         gpu_memory_mib=draw(st.sampled_from((0, 20480, 40960))) if gpus else 0,

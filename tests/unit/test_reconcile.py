@@ -45,7 +45,6 @@ def replica(
     state: ReplicaState = ReplicaState.READY,
     created_at: float = 0.0,
     world_size: int | None = None,
-    adopted: bool = False,
     epoch: int = 1,
     shard_state: str | None = None,
     rendezvous_port: int | None = None,
@@ -66,7 +65,6 @@ def replica(
         state=state,
         created_at=created_at,
         ready_since=created_at if state is ReplicaState.READY else None,
-        adopted=adopted,
         rendezvous_port=rendezvous_port,
     )
 
@@ -279,7 +277,6 @@ def test_adopted_replica_missing_a_rank_is_reaped_after_the_grace_period() -> No
         world_size=2,
         state=ReplicaState.STARTING,
         shard_state="ready",
-        adopted=True,
         created_at=NOW,
     )
     nodes = two_fabrics_of_four()[:2]
@@ -333,7 +330,6 @@ def test_adopted_replica_stuck_starting_is_reaped_after_the_startup_timeout() ->
         ("node01", (0,), 20000),
         state=ReplicaState.STARTING,
         created_at=NOW,
-        adopted=True,
     )
 
     nodes = [h100_8x80g("node01")]

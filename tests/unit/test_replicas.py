@@ -171,7 +171,7 @@ def adopt_one(replica: Replica | None, s: Shard, *, epoch: int = 9, world_size: 
 def test_adopt_is_ready_only_when_every_rank_is_in() -> None:
     first = adopt_one(None, shard(1, "node02"))
 
-    assert first.adopted
+    assert first.reason == "adopted from running shards"
     assert first.state is ReplicaState.STARTING
     assert first.world_size == 2
     assert first.missing_ranks() == [0]

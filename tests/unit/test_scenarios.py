@@ -833,7 +833,7 @@ def test_a_healed_partition_leaves_exactly_one_copy(
     # back with it still running, and the controller adopted it.
     new = _adopted(7, "node01", new_state, NOW - 300)
     old = _adopted(3, "node02", old_state, NOW)
-    assert old.adopted and old.epoch < new.epoch
+    assert old.reason == "adopted from running shards" and old.epoch < new.epoch
 
     result = plan(catalog(model()), [h100_8x80g("node01"), h100_8x80g("node02")],
                   [old, new], {}, NOW + 1, load=load)

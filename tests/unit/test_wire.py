@@ -37,7 +37,6 @@ INVENTORY = wire.Inventory(
             detail="installing: downloading llama-b10991-bin-ubuntu-x64.tar.gz (16 MB)",
         ),
     ],
-    engines_probed=True,
     fabric="ib-b",
     labels={"rack": "r12"},
 )

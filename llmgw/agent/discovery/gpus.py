@@ -3,7 +3,7 @@
 A node without the NVML library or without a loaded driver is a node without NVIDIA GPUs:
 the report is empty and ``note`` says why, so the agent still registers and the operator
 reads the reason. NVML is reached through an object with pynvml's function names, so the
-tests pass ``FakeNvml`` instead of a GPU.
+tests pass an NVML-shaped fake (tests/fakes/nvml.py) instead of a GPU.
 
 GPUs are listed in PCI bus order and indexed 0..n-1 in that order, which is the order
 CUDA uses under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (the agent sets that for every engine, so
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pynvml
@@ -31,23 +30,17 @@ _NO_GPU_NOTES = {
 
 
 @dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    used_mib: int | None  # None where NVML cannot tell (e.g. inside some containers)
-
-
-@dataclass(frozen=True)
 class GpuReport:
-    """What NVML says about this node. ``compute_capability`` and ``processes`` are keyed by
-    GPU uuid, beside ``gpus``, because ``wire.Gpu`` does not carry them; a GPU whose value
-    NVML would not give is absent from that mapping."""
+    """What NVML says about this node. ``compute_capability`` and ``processes`` (the pids
+    computing on the GPU) are keyed by GPU uuid, beside ``gpus``, because ``wire.Gpu`` does
+    not carry them; a GPU whose value NVML would not give is absent from that mapping."""
 
     gpus: tuple[wire.Gpu, ...] = ()
     driver: str = ""
     cuda: str = ""  # the CUDA version the driver supports, "13.0"
     note: str = ""  # why there are no GPUs, or which ones could not be read
     compute_capability: dict[str, tuple[int, int]] = field(default_factory=dict)
-    processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)
+    processes: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 def _text(value: Any) -> str:
@@ -103,7 +96,7 @@ def _read(nvml: Any) -> GpuReport:
 
     found: list[tuple[str, str, int, int, str]] = []
     capability: dict[str, tuple[int, int]] = {}
-    processes: dict[str, tuple[GpuProcess, ...]] = {}
+    processes: dict[str, frozenset[int]] = {}
     problems: list[str] = []
     for nvml_index in range(count):
         try:
@@ -121,10 +114,7 @@ def _read(nvml: Any) -> GpuReport:
             capability[uuid] = (int(cc[0]), int(cc[1]))
         procs = _optional(nvml.nvmlDeviceGetComputeRunningProcesses, handle)
         if procs is not None:
-            processes[uuid] = tuple(
-                GpuProcess(pid=p.pid, used_mib=None if p.usedGpuMemory is None
-                           else p.usedGpuMemory // _MIB)
-                for p in procs)
+            processes[uuid] = frozenset(p.pid for p in procs)
 
     gpus = tuple(
         wire.Gpu(index=index, name=name, memory_total_mib=total, memory_free_mib=free,
@@ -148,118 +138,6 @@ def gpus_not_held(report: GpuReport, indices: tuple[int, ...], pids: set[int]
         gpu = by_index.get(index)
         if gpu is None or gpu.uuid not in report.processes:
             return None
-        if not {p.pid for p in report.processes[gpu.uuid]} & pids:
+        if not report.processes[gpu.uuid] & pids:
             missing.append(index)
     return missing
-
-
-# --- a fake NVML for tests and dry runs ----------------------------------------------------
-
-
-class FakeNvml:
-    """NVML-shaped: pynvml's function names, return shapes and ``pynvml.NVMLError``s.
-
-    Each GPU is a dict: ``name``, ``uuid``, ``bus_id``, ``total_mib``, ``free_mib``, ``cc``
-    (a (major, minor) pair), ``processes`` (a list of (pid, used MiB or None)) and optional
-    ``errors``, a mapping from a function name to the NVML error code it raises for that GPU.
-    ``init_error`` is the code ``nvmlInit`` raises (LIBRARY_NOT_FOUND for no library)."""
-
-    NVMLError = pynvml.NVMLError
-
-    def __init__(self, gpus: list[dict], *, driver: str = "580.65.06", cuda: int = 13000,
-                 init_error: int | None = None) -> None:
-        self.gpus = gpus
-        self.driver = driver
-        self.cuda = cuda
-        self.init_error = init_error
-        self.initialised = False
-
-    def _gpu(self, handle: int, function: str) -> dict:
-        if not self.initialised:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
-        gpu = self.gpus[handle]
-        code = gpu.get("errors", {}).get(function)
-        if code is not None:
-            raise pynvml.NVMLError(code)
-        return gpu
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise pynvml.NVMLError(self.init_error)
-        self.initialised = True
-
-    def nvmlShutdown(self) -> None:
-        self.initialised = False
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return self.driver
-
-    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        return self.cuda
-
-    def nvmlDeviceGetCount(self) -> int:
-        if not self.initialised:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        if not 0 <= index < len(self.gpus):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        self._gpu(index, "nvmlDeviceGetHandleByIndex")
-        return index
-
-    def nvmlDeviceGetName(self, handle: int) -> str:
-        return self._gpu(handle, "nvmlDeviceGetName")["name"]
-
-    def nvmlDeviceGetUUID(self, handle: int) -> str:
-        return self._gpu(handle, "nvmlDeviceGetUUID")["uuid"]
-
-    def nvmlDeviceGetPciInfo(self, handle: int) -> SimpleNamespace:
-        bus_id = self._gpu(handle, "nvmlDeviceGetPciInfo")["bus_id"]
-        return SimpleNamespace(busId=bus_id.encode(), busIdLegacy=bus_id[4:].encode())
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
-        gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
-        total, free = gpu["total_mib"] * _MIB, gpu["free_mib"] * _MIB
-        return SimpleNamespace(total=total, free=free, used=total - free)
-
-    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
-        return self._gpu(handle, "nvmlDeviceGetCudaComputeCapability")["cc"]
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
-        gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
-        return [SimpleNamespace(pid=pid, usedGpuMemory=None if mib is None else mib * _MIB,
-                                gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
-                for pid, mib in gpu.get("processes", [])]
-
-
-# PCI buses of a DGX H100's GPUs, listed out of bus order as NVML may enumerate them.
-_H100_BUSES = ("9a", "18", "db", "2a", "ba", "3a", "ab", "5d")
-
-
-def fake_h100_x8() -> FakeNvml:
-    """An 8x H100 80GB HBM3 server, idle but for one process on the GPU at bus 18."""
-    return FakeNvml([
-        {"name": "NVIDIA H100 80GB HBM3",
-         "uuid": f"GPU-{bus}0f3c1e-5b7a-4c2d-9e8f-a1b2c3d4e5{bus}",
-         "bus_id": f"00000000:{bus.upper()}:00.0", "total_mib": 81559,
-         "free_mib": 81004 if bus != "18" else 8912, "cc": (9, 0),
-         "processes": [(41233, 72092)] if bus == "18" else []}
-        for bus in _H100_BUSES])
-
-
-def fake_single_4090() -> FakeNvml:
-    return FakeNvml([
-        {"name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-7d2e9f41-3c8a-b5e6-0f1d-2a4c6e8b0d13",
-         "bus_id": "00000000:01:00.0", "total_mib": 24564, "free_mib": 24077, "cc": (8, 9),
-         "processes": []}], driver="570.172.08", cuda=12080)
-
-
-def fake_no_driver() -> FakeNvml:
-    """The NVML library is installed (nvidia-ml-py is) but no kernel driver is loaded."""
-    return FakeNvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-
-
-def fake_no_library() -> FakeNvml:
-    """No libnvidia-ml.so at all: a CPU-only node."""
-    return FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)

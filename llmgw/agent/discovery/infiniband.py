@@ -1,9 +1,8 @@
 """RDMA ports (InfiniBand and RoCE), read from sysfs.
 
 The layout is the kernel's: ``<root>/<adapter>/node_guid`` and, per port,
-``<root>/<adapter>/ports/<n>/{state,phys_state,rate,link_layer,gids/0}``. A file that
-cannot be read leaves its field empty and the port is still reported, so one odd driver
-does not hide a fabric.
+``<root>/<adapter>/ports/<n>/{state,rate,link_layer}``. A file that cannot be read leaves
+its field empty and the port is still reported, so one odd driver does not hide a fabric.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ class IbPort:
     rate_gbps: float  # 400.0 for "400 Gb/sec (4X NDR)"; 0.0 where unknown
     link_layer: str  # InfiniBand or Ethernet (RoCE)
     guid: str  # the adapter's node GUID, "b83f:d203:00a1:2b3c"
-    phys_state: str = ""  # LinkUp, Disabled, Polling
-    gid: str = ""  # the port's GID 0
 
 
 def _read(path: Path) -> str:
@@ -67,6 +64,5 @@ def discover_infiniband(root: Path = Path("/sys/class/infiniband")) -> tuple[IbP
             found.append(IbPort(
                 adapter=adapter.name, port=_port_number(port),
                 state=_named(_read(port / "state")), rate_gbps=_rate(_read(port / "rate")),
-                link_layer=_read(port / "link_layer"), guid=guid,
-                phys_state=_named(_read(port / "phys_state")), gid=_read(port / "gids" / "0")))
+                link_layer=_read(port / "link_layer"), guid=guid))
     return tuple(found)

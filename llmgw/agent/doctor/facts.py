@@ -144,7 +144,7 @@ def _network_error(reason: Any, target: str, timeout_s: float) -> str:
 class Sources:
     """Where ``gather`` reads the node from; tests replace each one."""
 
-    nvml: Any = None  # pynvml itself, or gpus.FakeNvml
+    nvml: Any = None  # pynvml itself, or an NVML-shaped fake
     cpuinfo: Path = Path("/proc/cpuinfo")
     os_release: Path = Path("/etc/os-release")
     infiniband_root: Path = Path("/sys/class/infiniband")

@@ -16,10 +16,10 @@ from typing import Literal
 from llmgw.agent.discovery.tls import TlsFile, TlsReport
 from llmgw.agent.doctor.facts import Facts, ServerFact
 from llmgw.config import AgentConfig
+from llmgw.core import engine_names
 from llmgw.core.builds import (
     CUDA_DRIVER_FLOORS,
     CUDA_LINES,
-    ENGINES,
     MIN_COMPUTE,
     PYTHON_ENGINE_DISK_MIB,
     VLLM_CC_FROM_0_20,
@@ -49,19 +49,15 @@ CERT_WARN_S = 7 * 86400.0
 class CudaBuild:
     name: str
     min_driver: str  # the Linux driver NVIDIA names for it
-    engines: tuple[str, ...]  # engines with a build on this CUDA line
 
 
 def cuda_builds(arch: str = "x86_64") -> tuple[CudaBuild, ...]:
     """The CUDA lines llmgw installs builds of on an ``arch`` node, oldest first."""
-    lines = {line for engine in ENGINES for line in cuda_lines(engine, arch)}
-    return tuple(CudaBuild(f"CUDA {line}", CUDA_DRIVER_FLOORS[line],
-                           tuple(e for e in ENGINES if line in cuda_lines(e, arch)))
+    lines = {line for engine in engine_names.INSTALLABLE for line in cuda_lines(engine, arch)}
+    return tuple(CudaBuild(f"CUDA {line}", CUDA_DRIVER_FLOORS[line])
                  for line in sorted(lines, key=version_tuple))
 
 
-CUDA_BUILDS = cuda_builds()
-MIN_COMPUTE_CAPABILITY = MIN_COMPUTE
 _SHOWN = {"vulkan": "Vulkan"}
 
 
@@ -171,7 +167,7 @@ def _driver(f: Facts, config: AgentConfig | None) -> Finding:
            "every CUDA build llmgw installs) from your distribution or NVIDIA, then reboot")
     disabled = set(config.disable_engines) if config else set()
     lost, fallbacks = [], []
-    for engine in sorted(ENGINES):
+    for engine in sorted(engine_names.INSTALLABLE):
         if not cuda_lines(engine, f.arch) or driver_at_least(report.driver,
                                                             driver_floor(engine, f.arch)):
             continue
@@ -428,7 +424,7 @@ def can_run(facts: Facts, config: AgentConfig | None = None) -> list[Capability]
     def gpu_engine(engine: str) -> tuple[bool, str]:
         if not report.gpus:
             return False, "no NVIDIA GPU"
-        need = MIN_COMPUTE_CAPABILITY[engine]
+        need = MIN_COMPUTE[engine]
         fit = [cc for cc in capabilities if cc is None or cc >= need]
         if not fit:
             best = max(c for c in capabilities if c)
@@ -463,9 +459,11 @@ def can_run(facts: Facts, config: AgentConfig | None = None) -> list[Capability]
         cpu = (True, "no AVX2: several times slower")
     else:
         cpu = (False, f"no build for {facts.arch}")
-    rows = [("sim", "", (True, "built into llmgw")), ("llama.cpp", "cpu", cpu),
-            ("llama.cpp", "cuda", gpu_engine("llama.cpp")), ("vllm", "", gpu_engine("vllm")),
-            ("sglang", "", gpu_engine("sglang")), ("comfyui", "", gpu_engine("comfyui"))]
+    # llama.cpp alone also has a CPU build; every installable engine has a GPU row.
+    rows = [*((name, "", (True, "built into llmgw")) for name in engine_names.BUILTIN),
+            ("llama.cpp", "cpu", cpu),
+            *((name, "cuda" if name == "llama.cpp" else "", gpu_engine(name))
+              for name in engine_names.INSTALLABLE)]
     return [Capability(engine, build, False, "disabled in agent.yaml (disable_engines)")
             if engine in disabled else Capability(engine, build, ok, why)
             for engine, build, (ok, why) in rows]

@@ -37,12 +37,12 @@ from llmgw.agent.discovery import gpus, host
 from llmgw.agent.install import ospkg
 from llmgw.agent.install.pypi import InstallError
 from llmgw.config import AgentConfig
+from llmgw.core import engine_names
 from llmgw.core.backoff import INSTALL_RETRY, Retry, RetryPolicy, after_failure
 from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
 
 log = logging.getLogger(__name__)
 
-INSTALLABLE = ("comfyui", "llama.cpp", "sglang", "vllm")
 RECHECK_S = 600.0
 _DIGESTS_MAX_BYTES = 4 * 2**20
 _CHECK_TIMEOUT_S = 60.0
@@ -114,7 +114,7 @@ class EngineInstaller:
     # --- what the agent asks -------------------------------------------------------------
 
     def installable(self) -> list[str]:
-        return list(INSTALLABLE)
+        return sorted(engine_names.INSTALLABLE)
 
     def reported(self) -> list[wire.Engine]:
         # Read from the agent's probe thread: a tuple replaced whole, never mutated.
