@@ -15,10 +15,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import msgspec
 from litestar import HttpMethod, Litestar, Request, Response, get, route
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
 from litestar.handlers import HTTPRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components
 from litestar.types import ASGIApp
 
 from llmgw.config import ServerConfig
@@ -28,14 +31,16 @@ from llmgw.core.inventory import Timeouts
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server import admin
 from llmgw.server.admin import join as join_routes
+from llmgw.server.admin.common import StructSchemas, empty_body_refusal
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.agents.stream import agent_stream
-from llmgw.server.auth import KeyCache
+from llmgw.server.auth import KeyCache, guards
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, error_response
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
+from llmgw.server.openai import spec
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from llmgw.server.openai.usage import UsageRecorder
@@ -49,17 +54,42 @@ class Server:
     app: Litestar
     controller: Controller
     router: Router
+    gateway: openai_routes.GatewayContext
 
     @property
     def asgi(self) -> ASGIApp:
         """What the HTTP server runs: the gateway's POSTs first, then Litestar."""
-        return openai_routes.gateway_first(self.app, self.app.state.gateway)
+        return openai_routes.gateway_first(self.app, self.gateway)
+
+
+class Health(msgspec.Struct):
+    status: str
+    # The server's clock (Unix time): an agent's doctor measures its skew against it.
+    time: float
 
 
 @get("/healthz")
-async def healthz() -> dict:
-    # The time lets an agent's doctor measure clock skew against the control plane.
-    return {"status": "ok", "time": time.time()}
+async def healthz() -> Health:
+    return Health("ok", time.time())
+
+
+# The whole API, /v1 and /api, described for OpenAPI clients and tools: the shapes of
+# requests and answers, nothing of this cluster's models, keys or accounts. So it is
+# served to anyone, as the code it describes is public.
+def _openapi() -> OpenAPIConfig:
+    return OpenAPIConfig(
+        title="llmgw",
+        version="",  # llmgw's own, filled in when first served (GatewayDocument)
+        description="`/v1`: the OpenAI API, in front of the cluster's engines. `/api`: "
+                    "the cluster's administration (`llmgw ctl`). Every refusal is an "
+                    "OpenAI error envelope.",
+        path="/openapi.json",
+        # At /openapi.json itself (the router's root), and nowhere else that serves JSON.
+        render_plugins=[spec.GatewayDocument(path=["/", "/openapi.json"])],
+        components=Components(security_schemes={**guards.SECURITY_SCHEMES,
+                                                **spec.SECURITY_SCHEMES}),
+        use_handler_docstrings=True,
+    )
 
 
 def _api_error(_: Request, exc: ApiError) -> Response:
@@ -67,6 +97,9 @@ def _api_error(_: Request, exc: ApiError) -> Response:
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
+    if isinstance(exc, ValidationException) and (
+            refusal := empty_body_refusal(request, exc)) is not None:
+        return refusal.response()
     status = exc.status_code
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     if status == 404:
@@ -176,6 +209,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             "api_keys": gateway.api_keys, "gateway": gateway,
             # join.RevokedCallback: awaited with (node, serials) after a revocation.
             "on_revoked": [],
+            # Changes to the catalog, one at a time.
+            "models_lock": asyncio.Lock(),
+            "cluster_ca": join_routes.ClusterCa(config),
         }),
         exception_handlers={
             ApiError: _api_error,
@@ -184,7 +220,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         },
         # Bodies are forwarded to engines; prompts with images can be large, but bounded.
         request_max_body_size=64 * 2**20,
-        openapi_config=None,
+        openapi_config=_openapi(),
+        plugins=[StructSchemas()],
         logging_config=None,
     )
-    return Server(app, controller, router)
+    return Server(app, controller, router, gateway)

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import msgspec
 from litestar import Response
+from litestar.openapi import ResponseSpec
 
 
 class ErrorBody(msgspec.Struct):
     message: str
     type: str
+    # The request's field the refusal is about, if one is.
     param: str | None = None
+    # A stable name for the refusal (``login_required``, ``model_not_found`` …).
     code: str | None = None
 
 
 class ErrorEnvelope(msgspec.Struct):
+    """Every refusal's body, on ``/v1`` and ``/api`` alike."""
+
     error: ErrorBody
 
 
@@ -34,6 +39,31 @@ _TYPES = {
     503: "service_unavailable",
     504: "server_error",
 }
+
+
+# What each refusal means, for the OpenAPI document; the message says the particulars.
+_MEANINGS = {
+    400: "the request is not one this takes: the message names what to change",
+    401: "no credentials, or credentials that are not (or no longer) valid",
+    403: "the credentials are good, but not for this",
+    404: "what the request names does not exist, or is not the caller's to see",
+    409: "the request conflicts with what exists",
+    413: "the request body is too large",
+    415: "a request a browser form could have sent: it must say `Content-Type: "
+         "application/json`",
+    429: "too many attempts or requests: `Retry-After` says when to try again",
+    502: "the engine failed while answering",
+    503: "nothing can serve this now (no ready replica, or a part the server needs)",
+    504: "the engine did not answer in time",
+}
+
+
+def refusals(*statuses: int) -> dict[int, ResponseSpec]:
+    """The refusals a handler answers with, each an ``ErrorEnvelope``, as its OpenAPI
+    ``responses``."""
+    return {status: ResponseSpec(ErrorEnvelope, description=_MEANINGS[status],
+                                 generate_examples=False)
+            for status in statuses}
 
 
 def error_body(status: int, message: str, *, code: str | None = None,

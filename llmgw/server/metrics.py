@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, get
+from litestar.di import NamedDependency
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -52,6 +53,7 @@ from llmgw.core.inventory import NodeState
 from llmgw.core.names import is_loopback_host
 from llmgw.core.replicas import ReplicaState
 from llmgw.server.auth import admin_token_ok, bearer, read_secret_file
+from llmgw.server.dependencies import from_states
 from llmgw.server.errors import error_response
 
 if TYPE_CHECKING:
@@ -366,16 +368,16 @@ def _add(counts: dict[str, float], key: str, value: float) -> None:
     counts[key] = counts.get(key, 0) + value
 
 
-@get("/metrics", include_in_schema=False)
-async def metrics_endpoint(request: Request) -> Response:
+@get("/metrics", include_in_schema=False,
+     dependencies=from_states("metrics", "admin_token"))
+async def metrics_endpoint(request: Request, metrics: NamedDependency[Metrics],
+                           admin_token: NamedDependency[str]) -> Response:
     """Prometheus' text format, for whom :class:`Access` lets in. Async on purpose: the
     collectors read the router and controller, which only the event loop may touch."""
-    state = request.app.state
-    metrics: Metrics = state.metrics
     if not metrics.access.enabled:
         return error_response(404, "there is no GET /metrics here (metrics.enabled is "
                               "false)")
-    if not metrics.access.allows(request, state.get("admin_token")):
+    if not metrics.access.allows(request, admin_token):
         return error_response(401, "send the metrics token as `Authorization: Bearer …` "
                               "(metrics.token_file), or scrape from the server's own host",
                               code="metrics_token_required",

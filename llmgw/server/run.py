@@ -11,10 +11,10 @@ from pathlib import Path
 from llmgw.config import ConfigError, ServerConfig
 from llmgw.core.catalog import Catalog, catalog_from_config
 from llmgw.core.names import is_loopback_host
-from llmgw.server.admin.models import sync_declared
 from llmgw.server.agents.live import LiveStreams
 from llmgw.server.app import build
 from llmgw.server.auth import load_admin_token
+from llmgw.server.catalog import sync_declared
 from llmgw.server.listen import listening_socket
 from llmgw.store import Store, open_store, sqlite_url
 from llmgw.store.lock import hold_state_lock

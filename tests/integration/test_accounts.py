@@ -258,3 +258,30 @@ def test_disabling_an_account_stops_its_keys_and_sessions(cluster):
     refused = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"})
     assert refused.status_code == 401 and "disabled" in refused.json()["error"]["message"]
     assert api(cluster, "GET", "/api/me", token).status_code == 401
+
+
+def test_bodies_are_read_strictly_and_refused_in_llmgws_words(cluster):
+    admin = cluster.admin_token
+
+    def refusal(method: str, path: str, **kw) -> tuple[int, dict]:
+        resp = api(cluster, method, path, admin, **kw)
+        return resp.status_code, resp.json().get("error", {})
+
+    # No body where one is needed: the field it lacks, named.
+    status, error = refusal("POST", "/api/users")
+    assert (status, error["code"]) == (400, "invalid_value")
+    assert error["message"] == "invalid request: Object missing required field username"
+    # One where every field has a default: taken as {}.
+    assert api(cluster, "POST", "/api/invites", admin).status_code == 201
+    # A field the request does not take, and a number written as text: refused.
+    status, error = refusal("POST", "/api/keys", json={"name": "k", "role": "admin"})
+    assert (status, error["message"]) == (400, "`role` cannot be set here")
+    status, error = refusal("POST", "/api/keys", json={"name": "k", "limits": {"rpm": "60"}})
+    assert (status, error["param"]) == (400, "limits.rpm"), error
+    status, error = refusal("POST", "/api/keys", json={"name": "k", "limits": {"rpm": 1.5}})
+    assert (status, error["param"]) == (400, "limits.rpm"), error
+    # A whole number written 60.0 is the 60 JSON takes it for.
+    made = api(cluster, "POST", "/api/keys", admin, json={"name": "k", "limits": {"rpm": 60.0}})
+    assert made.status_code == 201 and made.json()["limits"]["rpm"] == 60, made.text
+    # The document of it all is public.
+    assert httpx.get(f"{cluster.base_url}/openapi.json").json()["paths"]["/api/keys"]

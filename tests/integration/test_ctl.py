@@ -19,7 +19,7 @@ import yaml
 
 from llmgw import config
 from llmgw.cli.main import main
-from llmgw.server.admin.models import sync_declared
+from llmgw.server.catalog import sync_declared
 from llmgw.store import open_store, sqlite_url
 from tests.integration.cluster import Cluster, _start, _stop_group, free_port, wait_for
 from tests.integration.conftest import SIM_SMALL

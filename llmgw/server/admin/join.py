@@ -6,7 +6,7 @@
   the CA and the agent-stream addresses out. The node's key never leaves the node.
 - ``GET /api/ca`` (anyone): the CA certificate, which the node pins by its SHA-256.
 - ``POST /api/nodes/{name}/revoke`` (admin): every unexpired certificate of the node is
-  revoked; the callbacks in ``app.state.on_revoked`` are then awaited with
+  revoked; the callbacks in the app's ``on_revoked`` list are then awaited with
   ``(node, serials)``, so the agent listener can close the node's live streams at once.
 
 Only the token's SHA-256 is stored. The token is used in the same transaction that records
@@ -28,13 +28,17 @@ from urllib.parse import urlsplit
 
 import msgspec
 from litestar import Request, Response, get, post
-from litestar.params import FromPath
+from litestar.di import NamedDependency
+from litestar.params import JSONBody, Parameter, SkipValidation
 
 from llmgw import pki
-from llmgw.config import ServerTls
+from llmgw.config import ServerConfig, ServerTls
 from llmgw.core.names import NameRuleError, check_element, hostport
-from llmgw.server.admin.common import Input, body, require
-from llmgw.server.errors import ApiError
+from llmgw.server.admin.common import ADMIN, SERVICES, Input, OptionalBody, StrictBody
+from llmgw.server.auth.sessions import Principal
+from llmgw.server.dependencies import from_state
+from llmgw.server.errors import ApiError, refusals
+from llmgw.store import Store
 from llmgw.store.pki import JoinTokenRecord, JoinTokenUnusable, NodeCertRecord, unusable
 
 log = logging.getLogger(__name__)
@@ -43,22 +47,58 @@ TOKEN_PREFIX = "llmgwj_"
 DEFAULT_TTL_S = 3600.0
 MAX_TTL_S = 7 * 86400.0
 
-# What ``app.state.on_revoked`` holds: awaited as ``callback(node, serials)`` after a
+# What the app's ``on_revoked`` list holds: awaited as ``callback(node, serials)`` after a
 # revocation is committed; an exception is logged and does not undo the revocation.
 RevokedCallback = Callable[[str, list[str]], Awaitable[object]]
+
+DEPENDENCIES = {**SERVICES, "cluster_ca": from_state("cluster_ca"),
+                "on_revoked": from_state("on_revoked")}
+# A node's name, as ``_node`` checks it (for the OpenAPI document; ``_node`` words a
+# refusal).
+NodeName = Annotated[str, Parameter(schema_extra={
+    "pattern": r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"})]
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class JoinTokenInput(Input):
+class JoinTokenInput(Input, frozen=True):
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)] = DEFAULT_TTL_S
+
+
+# An empty body: a token for DEFAULT_TTL_S.
+DEFAULT_TTL = JoinTokenInput()
 
 
 class JoinInput(Input):
     token: Annotated[str, msgspec.Meta(max_length=256)]
     csr: Annotated[str, msgspec.Meta(max_length=64 * 1024)]
+
+
+class JoinToken(msgspec.Struct):
+    """A join token, shown once, and the command that uses it on the node."""
+
+    node: str
+    token: str
+    expires_at: str
+    ca_sha256: str
+    command: str
+
+
+class Joined(msgspec.Struct):
+    """A joined node's certificate, the CA, and where its agent connects."""
+
+    node: str
+    cert: str
+    ca: str
+    servers: list[str]
+    not_after: str
+
+
+class NodeRevoked(msgspec.Struct):
+    node: str
+    revoked: list[str]
 
 
 @dataclass(frozen=True)
@@ -68,32 +108,35 @@ class _Ca:
     fingerprint: str
 
 
-def _tls(request: Request) -> ServerTls:
-    tls = request.app.state.config.tls
-    if tls is None:
+def _tls(config: ServerConfig) -> ServerTls:
+    if config.tls is None:
         raise ApiError(409, "this server has no cluster CA: run `llmgw server init`, or add a "
                        "tls block to server.yaml, and restart it", code="no_ca")
-    return tls
+    return config.tls
 
 
-def _ca(request: Request) -> _Ca:
-    """The CA's key and certificate, read once per server and kept."""
-    state = request.app.state
-    cached = state.get("join_ca")
-    if cached is not None:
-        return cached
-    tls = _tls(request)
-    try:
-        cert_pem = Path(tls.ca_file).read_bytes()
-        ca = _Ca(pki.load_key(Path(tls.ca_key_file).read_bytes()), cert_pem,
-                 pki.fingerprint(pki.load_cert(cert_pem)))
-    except (OSError, pki.PkiError) as err:
-        log.error("cannot use the cluster CA (tls.ca_file %s, tls.ca_key_file %s): %s",
-                  tls.ca_file, tls.ca_key_file, err)
-        raise ApiError(503, "the server cannot read its cluster CA; its log says why",
-                       code="ca_unavailable") from None
-    state["join_ca"] = ca
-    return ca
+class ClusterCa:
+    """The cluster CA's key and certificate, read on first use and kept for the server's
+    life."""
+
+    def __init__(self, config: ServerConfig):
+        self._config = config
+        self._ca: _Ca | None = None
+
+    def get(self) -> _Ca:
+        if self._ca is not None:
+            return self._ca
+        tls = _tls(self._config)
+        try:
+            cert_pem = Path(tls.ca_file).read_bytes()
+            self._ca = _Ca(pki.load_key(Path(tls.ca_key_file).read_bytes()), cert_pem,
+                           pki.fingerprint(pki.load_cert(cert_pem)))
+        except (OSError, pki.PkiError) as err:
+            log.error("cannot use the cluster CA (tls.ca_file %s, tls.ca_key_file %s): %s",
+                      tls.ca_file, tls.ca_key_file, err)
+            raise ApiError(503, "the server cannot read its cluster CA; its log says why",
+                           code="ca_unavailable") from None
+        return self._ca
 
 
 def _node(name: str) -> str:
@@ -103,54 +146,62 @@ def _node(name: str) -> str:
         raise ApiError(400, str(err), param="name", code="invalid_node_name") from None
 
 
-def control_plane_urls(request: Request) -> list[str]:
+def control_plane_urls(request: Request, config: ServerConfig) -> list[str]:
     """Where nodes reach this cluster's API: tls.public_urls, else this request's URL."""
-    return list(_tls(request).public_urls) or [str(request.base_url).rstrip("/")]
+    return list(_tls(config).public_urls) or [str(request.base_url).rstrip("/")]
 
 
-def agent_stream_urls(request: Request) -> list[str]:
+def agent_stream_urls(request: Request, config: ServerConfig) -> list[str]:
     """The agent-stream addresses for a node's agent.yaml: every control-plane host, on
     the mTLS listener's port."""
-    port = _tls(request).agent_listen.port
+    port = _tls(config).agent_listen.port
     urls = []
-    for url in control_plane_urls(request):
+    for url in control_plane_urls(request, config):
         urls.append(f"https://{hostport(urlsplit(url).hostname or '', port)}")
     return list(dict.fromkeys(urls))
 
 
-@post("/api/nodes/{name:str}/join-tokens", status_code=201)
-async def create_join_token(request: Request, name: FromPath[str]) -> dict:
-    principal = await require(request, admin=True)
+_ADMIN = {**ADMIN, "dependencies": DEPENDENCIES}
+
+
+@post("/api/nodes/{name:str}/join-tokens", status_code=201, **_ADMIN, dto=StrictBody,
+      operation_class=OptionalBody,
+      responses=refusals(400, 401, 403, 409, 415, 503))
+async def create_join_token(request: Request, name: NodeName, principal: NamedDependency[Principal],
+                            store: NamedDependency[Store], config: NamedDependency[ServerConfig],
+                            cluster_ca: NamedDependency[ClusterCa],
+                            data: JSONBody[JoinTokenInput] = DEFAULT_TTL) -> JoinToken:
     node = _node(name)
-    form = await body(request, JoinTokenInput)
-    ca = _ca(request)
+    ca = cluster_ca.get()
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     now = datetime.now(UTC)
-    record = await request.app.state.store.add_join_token(JoinTokenRecord(
+    record = await store.add_join_token(JoinTokenRecord(
         token_hash=hash_token(token), node=node, created_at=now,
-        expires_at=now + timedelta(seconds=form.ttl_s), created_by=principal.username))
-    urls = ",".join(control_plane_urls(request))
+        expires_at=now + timedelta(seconds=data.ttl_s), created_by=principal.username))
+    urls = ",".join(control_plane_urls(request, config))
     log.info("%s made a join token for node %s, valid until %s", principal.username, node,
              f"{record.expires_at:%Y-%m-%d %H:%M:%S} UTC")
-    return {"node": node, "token": token, "expires_at": record.expires_at.isoformat(),
-            "ca_sha256": ca.fingerprint,
-            "command": f"llmgw agent join {urls} {token} --ca-sha256 {ca.fingerprint}"}
+    return JoinToken(node=node, token=token, expires_at=record.expires_at.isoformat(),
+                     ca_sha256=ca.fingerprint,
+                     command=f"llmgw agent join {urls} {token} --ca-sha256 {ca.fingerprint}")
 
 
-@get("/api/ca")
-async def cluster_ca(request: Request) -> Response:
+@get("/api/ca", media_type="application/x-pem-file", dependencies=DEPENDENCIES,
+     responses=refusals(409, 503))
+async def cluster_ca_cert(cluster_ca: NamedDependency[ClusterCa]) -> Response[str]:
     """The cluster CA's certificate (public): a joining node fetches it over a connection
     it cannot verify yet, and trusts it only if its SHA-256 is the one it was given."""
-    return Response(_ca(request).cert_pem, media_type="application/x-pem-file")
+    return Response(cluster_ca.get().cert_pem, media_type="application/x-pem-file")
 
 
-@post("/api/join", status_code=200)
-async def join(request: Request) -> dict:
-    form = await body(request, JoinInput)
-    tls = _tls(request)
-    ca = _ca(request)
-    store = request.app.state.store
-    token_hash = hash_token(form.token)
+@post("/api/join", status_code=200, dependencies=DEPENDENCIES, dto=StrictBody,
+      responses=refusals(400, 403, 409, 503))
+async def join(request: Request, data: JSONBody[JoinInput], store: NamedDependency[Store],
+               config: NamedDependency[ServerConfig],
+               cluster_ca: NamedDependency[ClusterCa]) -> Joined:
+    tls = _tls(config)
+    ca = cluster_ca.get()
+    token_hash = hash_token(data.token)
     now = datetime.now(UTC)
     token = await store.find_join_token(token_hash)
     refusal = unusable(token, now)
@@ -159,7 +210,7 @@ async def join(request: Request) -> dict:
                     refusal)
         raise ApiError(403, str(refusal), param="token", code=f"join_token_{refusal.reason}")
     try:
-        issued = pki.sign_node_csr(ca.key, ca.cert_pem, form.csr.encode(), token.node,
+        issued = pki.sign_node_csr(ca.key, ca.cert_pem, data.csr.encode(), token.node,
                                    timedelta(days=tls.node_cert_days), now=now)
     except pki.PkiError as err:
         raise ApiError(400, str(err), param="csr", code="invalid_csr") from None
@@ -171,23 +222,26 @@ async def join(request: Request) -> dict:
         raise ApiError(403, str(err), param="token", code=f"join_token_{err.reason}") from None
     log.info("node %s joined: certificate serial %x, valid until %s", token.node, issued.serial,
              f"{issued.not_after:%Y-%m-%d %H:%M:%S} UTC")
-    return {"node": token.node, "cert": issued.cert_pem.decode(), "ca": ca.cert_pem.decode(),
-            "servers": agent_stream_urls(request), "not_after": issued.not_after.isoformat()}
+    return Joined(node=token.node, cert=issued.cert_pem.decode(), ca=ca.cert_pem.decode(),
+                  servers=agent_stream_urls(request, config),
+                  not_after=issued.not_after.isoformat())
 
 
-@post("/api/nodes/{name:str}/revoke", status_code=200)
-async def revoke(request: Request, name: FromPath[str]) -> dict:
-    principal = await require(request, admin=True)
+@post("/api/nodes/{name:str}/revoke", status_code=200, **_ADMIN,
+      responses=refusals(400, 401, 403, 415))
+async def revoke(name: NodeName, principal: NamedDependency[Principal],
+                 store: NamedDependency[Store],
+                 on_revoked: NamedDependency[SkipValidation[list[RevokedCallback]]]) -> NodeRevoked:
     node = _node(name)
-    serials = await request.app.state.store.revoke_node_certs(node, datetime.now(UTC))
+    serials = await store.revoke_node_certs(node, datetime.now(UTC))
     log.warning("%s revoked node %s: certificate serial(s) %s", principal.username, node,
                 ", ".join(serials) or "none unexpired")
-    for callback in list(request.app.state.get("on_revoked", [])):
+    for callback in list(on_revoked):
         try:
             await callback(node, serials)
         except Exception:
             log.exception("after revoking node %s, a revocation callback failed", node)
-    return {"node": node, "revoked": serials}
+    return NodeRevoked(node, serials)
 
 
-ROUTES = [cluster_ca, create_join_token, join, revoke]
+ROUTES = [cluster_ca_cert, create_join_token, join, revoke]

@@ -12,15 +12,18 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Annotated
 
 import msgspec
-from litestar import Request, delete, get, patch, post
-from litestar.params import FromPath
+from litestar import delete, get, patch, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody, Parameter, SkipValidation
 
 from llmgw.core.usage import LIMIT_NAMES, LIMIT_PERIOD, MAX_LIMIT, Limits, seconds_left, used
-from llmgw.server.admin.common import Input, body, require
+from llmgw.server.admin.common import SIGNED_IN, Input, StrictBody
+from llmgw.server.auth import KeyCache
 from llmgw.server.auth.keys import create_api_key
 from llmgw.server.auth.sessions import Principal
-from llmgw.server.errors import ApiError
-from llmgw.store import ApiKeyRecord, UsageRecord
+from llmgw.server.controller import Controller
+from llmgw.server.errors import ApiError, refusals
+from llmgw.store import ApiKeyRecord, Store, UsageRecord
 
 Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_LIMIT)]
 USAGE_DAYS_DEFAULT = 30
@@ -41,6 +44,7 @@ class LimitsIn(Input):
 
 class NewKey(Input):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    # Models of the catalog (GET /v1/models); none: every model.
     models: list[str] | None = None
     expires_in_days: Annotated[float, msgspec.Meta(gt=0, le=3650)] | None = None
     owner: str | None = None  # an admin making a key for someone else
@@ -51,15 +55,77 @@ class KeyChange(Input):
     limits: LimitsIn
 
 
-def _key_json(key: ApiKeyRecord, owners: dict[int, str]) -> dict:
-    return {
-        "prefix": key.prefix, "name": key.name, "models": key.allowed_models,
-        "owner": owners.get(key.account_id) if key.account_id is not None else None,
-        "created_at": key.created_at.isoformat(),
-        "expires_at": key.expires_at.isoformat() if key.expires_at else None,
-        "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None,
-        "limits": key.limits.as_dict(),
-    }
+# --- what the handlers answer ----------------------------------------------------------------
+
+
+class KeyLimits(msgspec.Struct):
+    """A key's limits; null: none."""
+
+    rpm: int | None
+    tpm: int | None
+    tokens_per_day: int | None
+    tokens_per_month: int | None
+
+
+class Key(msgspec.Struct):
+    prefix: str
+    name: str
+    models: list[str] | None
+    owner: str | None
+    created_at: str
+    expires_at: str | None
+    revoked_at: str | None
+    limits: KeyLimits
+
+
+class NewKeyMade(Key):
+    """A key as made: the key itself is shown this once (only its hash is kept)."""
+
+    key: str
+
+
+class KeyRevoked(msgspec.Struct):
+    revoked: str
+
+
+class LimitUse(msgspec.Struct):
+    limit: str
+    value: int | None
+    used: int
+    resets_in_s: int
+
+
+class ModelUse(msgspec.Struct):
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DayUse(ModelUse):
+    day: str
+
+
+class KeyUsage(msgspec.Struct):
+    prefix: str
+    name: str
+    since: str
+    until: str
+    limits: list[LimitUse]
+    models: list[ModelUse]
+    days: list[DayUse]
+
+
+def _key(key: ApiKeyRecord, owners: dict[int, str]) -> Key:
+    return Key(
+        prefix=key.prefix, name=key.name, models=key.allowed_models,
+        owner=owners.get(key.account_id) if key.account_id is not None else None,
+        created_at=key.created_at.isoformat(),
+        expires_at=key.expires_at.isoformat() if key.expires_at else None,
+        revoked_at=key.revoked_at.isoformat() if key.revoked_at else None,
+        limits=KeyLimits(**key.limits.as_dict()),
+    )
 
 
 def _admin_for_limits(principal: Principal) -> None:
@@ -68,117 +134,122 @@ def _admin_for_limits(principal: Principal) -> None:
                        code="admin_required")
 
 
-async def _visible_key(request: Request, principal: Principal, prefix: str) -> ApiKeyRecord:
-    key = await request.app.state.store.find_api_key(prefix)
+async def _visible_key(store: Store, principal: Principal, prefix: str) -> ApiKeyRecord:
+    key = await store.find_api_key(prefix)
     # Someone else's key is "not found", not "forbidden": its existence is not theirs to know.
     if key is None or (not principal.is_admin and key.account_id != principal.account_id):
         raise ApiError(404, f"you have no key {prefix!r}", code="key_not_found")
     return key
 
 
-async def _owners(request: Request) -> dict[int, str]:
-    return {a.id: a.username for a in await request.app.state.store.list_accounts()}
+async def _owners(store: Store) -> dict[int, str]:
+    return {a.id: a.username for a in await store.list_accounts()}
 
 
-@get("/api/keys")
-async def list_keys(request: Request) -> list[dict]:
-    principal = await require(request)
-    store = request.app.state.store
+@get("/api/keys", **SIGNED_IN, responses=refusals(401))
+async def list_keys(principal: NamedDependency[Principal],
+                    store: NamedDependency[Store]) -> list[Key]:
     keys = await (store.list_api_keys() if principal.is_admin
                   else store.list_api_keys(account_id=principal.account_id))
-    owners = await _owners(request)
-    return [_key_json(k, owners) for k in keys]
+    owners = await _owners(store)
+    return [_key(k, owners) for k in keys]
 
 
-@post("/api/keys", status_code=201)
-async def create_key(request: Request) -> dict:
-    principal = await require(request)
-    state = request.app.state
-    new = await body(request, NewKey)
+@post("/api/keys", status_code=201, **SIGNED_IN, dto=StrictBody,
+      responses=refusals(400, 401, 403, 404, 415))
+async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principal],
+                     store: NamedDependency[Store],
+                     controller: NamedDependency[SkipValidation[Controller]]) -> NewKeyMade:
+    # (The controller is not checked against its type: a test stands in an object with a
+    # catalog for it.)
     account_id = principal.account_id
     limits = Limits()
-    if new.limits is not None:
+    if data.limits is not None:
         _admin_for_limits(principal)
-        limits = Limits(**new.limits.given())
-    if new.owner is not None:
+        limits = Limits(**data.limits.given())
+    if data.owner is not None:
         if not principal.is_admin:
             raise ApiError(403, "only an admin may make a key for another account",
                            param="owner", code="admin_required")
-        owner = await state.store.find_account(new.owner.lower())
+        owner = await store.find_account(data.owner.lower())
         if owner is None:
-            raise ApiError(404, f"no user named {new.owner!r}", param="owner",
+            raise ApiError(404, f"no user named {data.owner!r}", param="owner",
                            code="user_not_found")
         account_id = owner.id
-    unknown = [m for m in new.models or [] if state.controller.catalog.get(m) is None]
+    unknown = [m for m in data.models or [] if controller.catalog.get(m) is None]
     if unknown:
         raise ApiError(400, f"no such model: {', '.join(unknown)}; see GET /v1/models",
                        param="models", code="model_not_found")
-    expires = (datetime.now(UTC) + timedelta(days=new.expires_in_days)
-               if new.expires_in_days else None)
-    key, record = await create_api_key(state.store, new.name, new.models,
+    expires = (datetime.now(UTC) + timedelta(days=data.expires_in_days)
+               if data.expires_in_days else None)
+    key, record = await create_api_key(store, data.name, data.models,
                                        account_id=account_id, expires_at=expires)
     if limits.any:
         # Should this fail, the key was never shown, so nobody can use it unlimited.
-        record = await state.store.update_api_key_limits(record.prefix, **limits.as_dict())
-    # The only time the key is ever shown: only its hash is kept.
-    return {"key": key, **_key_json(record, await _owners(request))}
+        record = await store.update_api_key_limits(record.prefix, **limits.as_dict())
+    made = _key(record, await _owners(store))
+    return NewKeyMade(**msgspec.structs.asdict(made), key=key)
 
 
-@delete("/api/keys/{prefix:str}", status_code=200)
-async def revoke_key(request: Request, prefix: FromPath[str]) -> dict:
-    principal = await require(request)
-    await _visible_key(request, principal, prefix)
-    await request.app.state.store.revoke_api_key(prefix, datetime.now(UTC))
-    request.app.state.api_keys.forget(prefix)
-    return {"revoked": prefix}
+@delete("/api/keys/{prefix:str}", status_code=200, **SIGNED_IN,
+        responses=refusals(401, 404, 415))
+async def revoke_key(prefix: FromPath[str], principal: NamedDependency[Principal],
+                     store: NamedDependency[Store],
+                     api_keys: NamedDependency[KeyCache]) -> KeyRevoked:
+    await _visible_key(store, principal, prefix)
+    await store.revoke_api_key(prefix, datetime.now(UTC))
+    api_keys.forget(prefix)
+    return KeyRevoked(prefix)
 
 
-@patch("/api/keys/{prefix:str}")
-async def change_key(request: Request, prefix: FromPath[str]) -> dict:
+@patch("/api/keys/{prefix:str}", **SIGNED_IN, dto=StrictBody,
+       responses=refusals(400, 401, 403, 404, 415))
+async def change_key(prefix: FromPath[str], data: JSONBody[KeyChange],
+                     principal: NamedDependency[Principal], store: NamedDependency[Store],
+                     api_keys: NamedDependency[KeyCache]) -> Key:
     """Change a key's limits: ``{"limits": {"rpm": 60, "tpm": null}}`` sets rpm, lifts tpm
     and keeps the others. This server applies it from the key's next request on,
     others sharing the store within ``auth.key_cache_s``."""
-    principal = await require(request)
-    change = await body(request, KeyChange)
-    await _visible_key(request, principal, prefix)
+    await _visible_key(store, principal, prefix)
     _admin_for_limits(principal)
-    record = await request.app.state.store.update_api_key_limits(prefix,
-                                                                 **change.limits.given())
-    request.app.state.api_keys.forget(prefix)
-    return _key_json(record, await _owners(request))
+    record = await store.update_api_key_limits(prefix, **data.limits.given())
+    api_keys.forget(prefix)
+    return _key(record, await _owners(store))
 
 
-@get("/api/keys/{prefix:str}/usage")
-async def key_usage(request: Request, prefix: FromPath[str]) -> dict:
+# Dates as written (2025-03-01); read by _date, which words a bad one.
+DateParam = Parameter(schema_extra={"format": "date"},
+                      description="a UTC day, like 2025-03-01")
+
+
+@get("/api/keys/{prefix:str}/usage", **SIGNED_IN, responses=refusals(400, 401, 404))
+async def key_usage(prefix: FromPath[str], principal: NamedDependency[Principal],
+                    store: NamedDependency[Store], since: Annotated[str | None, DateParam] = None,
+                    until: Annotated[str | None, DateParam] = None) -> KeyUsage:
     """What the key used, per model and UTC day from ``since`` to ``until`` (dates, both
     included; by default the last 30 days), and where it stands against each limit now."""
-    principal = await require(request)
-    key = await _visible_key(request, principal, prefix)
+    key = await _visible_key(store, principal, prefix)
     now = datetime.now(UTC)
-    until = _date_param(request, "until") or now.date()
-    since = _date_param(request, "since") or until - timedelta(days=USAGE_DAYS_DEFAULT - 1)
-    if since > until:
-        raise ApiError(400, f"since ({since}) is after until ({until})", param="since",
+    last = _date(until, "until") or now.date()
+    first = _date(since, "since") or last - timedelta(days=USAGE_DAYS_DEFAULT - 1)
+    if first > last:
+        raise ApiError(400, f"since ({first}) is after until ({last})", param="since",
                        code="invalid_value")
-    store = request.app.state.store
-    records = await store.list_usage(key.id, since=since, until=until)
+    records = await store.list_usage(key.id, since=first, until=last)
     counts = await store.usage_counts(key.id, now)
-    return {
-        "prefix": key.prefix, "name": key.name,
-        "since": since.isoformat(), "until": until.isoformat(),
-        "limits": [
-            {"limit": name, "value": getattr(key.limits, name), "used": used(name, counts),
-             "resets_in_s": seconds_left(LIMIT_PERIOD[name], now)}
-            for name in LIMIT_NAMES
-        ],
-        "models": _per_model(records),
-        "days": [{"day": r.day.isoformat(), "model": r.model, **_totals([r])}
-                 for r in records],
-    }
+    return KeyUsage(
+        prefix=key.prefix, name=key.name, since=first.isoformat(), until=last.isoformat(),
+        limits=[LimitUse(limit=name, value=getattr(key.limits, name),
+                         used=used(name, counts),
+                         resets_in_s=seconds_left(LIMIT_PERIOD[name], now))
+                for name in LIMIT_NAMES],
+        models=_per_model(records),
+        days=[DayUse(day=r.day.isoformat(), **msgspec.structs.asdict(_totals(r.model, [r])))
+              for r in records],
+    )
 
 
-def _date_param(request: Request, name: str) -> date | None:
-    raw = request.query_params.get(name)
+def _date(raw: str | None, name: str) -> date | None:
     if raw is None or raw == "":
         return None
     try:
@@ -188,18 +259,19 @@ def _date_param(request: Request, name: str) -> date | None:
                        code="invalid_value") from None
 
 
-def _totals(records: list[UsageRecord]) -> dict:
+def _totals(model: str, records: list[UsageRecord]) -> ModelUse:
     prompt = sum(r.prompt_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
-    return {"requests": sum(r.requests for r in records), "prompt_tokens": prompt,
-            "completion_tokens": completion, "total_tokens": prompt + completion}
+    return ModelUse(model=model, requests=sum(r.requests for r in records),
+                    prompt_tokens=prompt, completion_tokens=completion,
+                    total_tokens=prompt + completion)
 
 
-def _per_model(records: list[UsageRecord]) -> list[dict]:
+def _per_model(records: list[UsageRecord]) -> list[ModelUse]:
     models: dict[str, list[UsageRecord]] = {}
     for r in records:
         models.setdefault(r.model, []).append(r)
-    return [{"model": m, **_totals(rs)} for m, rs in sorted(models.items())]
+    return [_totals(m, rs) for m, rs in sorted(models.items())]
 
 
 ROUTES = [list_keys, create_key, revoke_key, change_key, key_usage]

@@ -1,179 +1,52 @@
 """Models over the admin API: list, add, remove, scale.
 
-Two sources, one catalog. server.yaml declares some models (source ``config``): they stay
-declared there, and the store mirrors them at every start. Others are added over the API
-(source ``api``) and live in the store alone, so they survive restarts. Scaling works for
-both: an API model's replicas are simply changed; a server.yaml model gets an override
-kept beside its mirror, which outlives restarts and edits of server.yaml until it is reset
-(``PATCH {"replicas": null}``, ``llmgw ctl models scale NAME --reset``).
-
-What the store keeps per model (``StoredModel.spec``) is a ``Declared``. A row written
-before sources existed is a bare server.yaml entry: it reads as a ``config`` mirror.
+The catalog they change is merged in ``server.catalog`` (server.yaml's models and the
+API's); these handlers read it, write the store, and hand the controller the result.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
-from litestar import Request, delete, get, patch, post
-from litestar.params import FromPath
+from litestar import delete, get, patch, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
+from litestar.typing import FieldDefinition
 
-from llmgw import config
-from llmgw.core.catalog import Catalog, CatalogError, Model, model_from_config
-from llmgw.server.admin.common import Input, body, decode_json, require
-from llmgw.server.errors import ApiError
-from llmgw.store import Store, StoredModel
+from llmgw.config import Model, ServerConfig
+from llmgw.server.admin.common import (
+    ADMIN,
+    SERVICES,
+    SIGNED_IN,
+    Input,
+    StrictBody,
+    decode_json,
+)
+from llmgw.server.auth.sessions import Principal
+from llmgw.server.catalog import (
+    API,
+    CONFIG,
+    Entry,
+    ModelError,
+    catalog_of,
+    declared,
+    entries,
+    parse_model,
+    stored_spec,
+)
+from llmgw.server.controller import Controller
+from llmgw.server.dependencies import from_state
+from llmgw.server.errors import ApiError, refusals
+from llmgw.store import Store
 
 log = logging.getLogger(__name__)
 
-CONFIG, API = "config", "api"
-
-
-class Declared(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    source: Literal["config", "api"]
-    # Exactly as a server.yaml ``models:`` entry.
-    model: dict[str, Any]
-    # A server.yaml model scaled over the API; None: server.yaml's replicas.
-    replicas_override: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One model as the catalog serves it, with where it came from."""
-
-    source: str
-    spec: dict[str, Any]
-    model: Model  # replicas already overridden
-    declared_replicas: int  # what server.yaml (or the API's add) says
-    override: int | None
-
-
-class ModelError(ValueError):
-    """A model document that cannot be used; the message names the key path."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def parse_model(data: Any, where: str = "model") -> tuple[config.Model, Model]:
-    """Check one model written as a server.yaml ``models:`` entry, with server.yaml's own
-    rules; errors name the key path (``model.profiles[0].gpus: expected int, got str``)."""
-    if not isinstance(data, dict):
-        raise ModelError(f"{where}: expected one model as a mapping (name, profiles, "
-                         f"replicas, ...), got {type(data).__name__}")
-    marker = "<model>: models[0]"
-    try:
-        raw = config.parse({"models": [data]}, config.ServerConfig, "<model>").models[0]
-    except config.ConfigError as err:
-        text = str(err).replace(marker, where, 1)
-        raise ModelError(text, _param(text, where)) from None
-    try:
-        return raw, model_from_config(raw, where)
-    except CatalogError as err:
-        raise ModelError(str(err), _param(str(err), where)) from None
-
-
-def _param(text: str, where: str) -> str | None:
-    path = text.split(":", 1)[0]
-    return path.removeprefix(where).lstrip(".") or None
-
-
-def _declared(stored: StoredModel) -> Declared:
-    if "source" not in stored.spec:
-        return Declared(source=CONFIG, model=stored.spec)
-    return msgspec.convert(stored.spec, Declared)
-
-
-async def entries(store: Store, settings: config.ServerConfig) -> list[Entry]:
-    """server.yaml's models in its order, then the API's by name. server.yaml's come from
-    the file itself (checked at start); only their overrides come from the store."""
-    stored = {s.name: _declared(s) for s in await store.list_models()}
-    result = []
-    for i, raw in enumerate(settings.models):
-        kept = stored.get(raw.name)
-        override = kept.replicas_override if kept and kept.source == CONFIG else None
-        model = model_from_config(raw, f"models[{i}]")
-        if override is not None:
-            model = dataclasses.replace(model, replicas=override)
-        result.append(Entry(CONFIG, msgspec.to_builtins(raw), model, raw.replicas, override))
-    declared = {m.name for m in settings.models}
-    for name, kept in sorted(stored.items()):
-        if kept.source != API or name in declared:
-            continue
-        try:
-            raw, model = parse_model(kept.model, f"model {name} (added over the API)")
-        except ModelError as err:
-            # An upgrade may have tightened a rule: serve the rest, say what to do.
-            log.error("%s; not served: fix it with `llmgw ctl models remove %s` and add it "
-                      "again", err, name)
-            continue
-        result.append(Entry(API, kept.model, model, raw.replicas, None))
-    return result
-
-
-def catalog_of(items: list[Entry]) -> Catalog:
-    return Catalog(tuple(e.model for e in items))
-
-
-async def sync_declared(store: Store, settings: config.ServerConfig) -> Catalog:
-    """At start: mirror server.yaml's models into the store, keeping their overrides and
-    the API's models; forget server.yaml models that are no longer declared."""
-    declared = {m.name: m for m in settings.models}
-    stored = {s.name: _declared(s) for s in await store.list_models()}
-    for name, raw in declared.items():
-        kept = stored.get(name)
-        override = None
-        if kept is not None and kept.source == CONFIG:
-            override = kept.replicas_override
-        elif kept is not None:
-            log.warning("model %s: server.yaml declares it now; its definition from the API "
-                        "is replaced by server.yaml's", name)
-        if override is not None and override != raw.replicas:
-            log.info("model %s: %d replica(s), set over the API (server.yaml: %d); "
-                     "`llmgw ctl models scale %s --reset` goes back to server.yaml's",
-                     name, override, raw.replicas, name)
-        await store.put_model(name, _spec(CONFIG, msgspec.to_builtins(raw), override))
-    for name, kept in stored.items():
-        if name not in declared and kept.source == CONFIG:
-            await store.delete_model(name)
-            log.info("model %s is no longer in server.yaml: removed", name)
-    return catalog_of(await entries(store, settings))
-
-
-def _spec(source: str, model: dict[str, Any], override: int | None = None) -> dict:
-    return msgspec.to_builtins(Declared(source=source, model=model,
-                                        replicas_override=override))
-
-
-# --- the API ------------------------------------------------------------------------------
-
-
-def model_json(entry: Entry, controller, admin: bool) -> dict:
-    name = entry.model.name
-    ready = sum(1 for r in controller.replicas.values()
-                if r.model == name and r.state.value == "ready")
-    shown = {"name": name, "source": entry.source, "description": entry.model.description,
-             "replicas": entry.model.replicas, "replicas_ready": ready}
-    if not admin:
-        return shown
-    return {
-        **shown,
-        # server.yaml's value for its models (an override differs from it); null for the API's.
-        "replicas_in_config": entry.declared_replicas if entry.source == CONFIG else None,
-        "overridden": entry.override is not None,
-        "priority": entry.model.priority,
-        "profiles": [{"name": p.name, "engine": p.engine, "nodes": p.nodes, "gpus": p.gpus}
-                     for p in entry.model.profiles],
-        "placed_on": sorted({s.node_id for r in controller.replicas.values()
-                             if r.model == name for s in r.shards}),
-        "unplaced": controller.unplaced.get(name),
-        "spec": entry.spec,
-    }
+# Changes one at a time: each rereads the store and hands the controller the result.
+DEPENDENCIES = {**SERVICES, "models_lock": from_state("models_lock")}
 
 
 class Scale(Input):
@@ -181,102 +54,181 @@ class Scale(Input):
     replicas: Annotated[int, msgspec.Meta(ge=0)] | None
 
 
-def _lock(request: Request) -> asyncio.Lock:
-    # Changes one at a time: each rereads the store and hands the controller the result.
-    return request.app.state.setdefault("models_lock", asyncio.Lock())
+@dataclass(frozen=True, slots=True)
+class NewModel:
+    """A model to add: as the operator wrote it, and as server.yaml's rules read it."""
+
+    written: dict[str, Any]
+    model: Model
 
 
-async def _find(request: Request, name: str) -> Entry:
-    state = request.app.state
-    found = next((e for e in await entries(state.store, state.config)
-                  if e.model.name == name), None)
+class ModelBody(StrictBody):
+    """``POST /api/models``: a server.yaml ``models:`` entry, checked with server.yaml's
+    own rules (errors name the key path), and documented as ``llmgw.config.Model``."""
+
+    def decode_bytes(self, value: bytes) -> NewModel:
+        written = decode_json(value or b"null")
+        try:
+            model, _ = parse_model(written)
+        except ModelError as err:
+            raise ApiError(400, str(err), param=err.param, code="invalid_model") from None
+        return NewModel(written, model)
+
+    @classmethod
+    def create_openapi_schema(cls, field_definition: FieldDefinition, handler_id: str,
+                              schema_creator: Any) -> Any:
+        return schema_creator.for_field_definition(FieldDefinition.from_annotation(Model))
+
+
+# --- what the handlers answer ----------------------------------------------------------------
+
+
+class ProfileView(msgspec.Struct):
+    name: str
+    engine: str
+    nodes: int
+    gpus: int
+
+
+class ModelView(msgspec.Struct):
+    """A model as the catalog serves it; the fields after ``replicas_ready`` only for an
+    admin."""
+
+    name: str
+    source: str
+    description: str
+    replicas: int
+    replicas_ready: int
+    # server.yaml's value for its models (an override differs from it); null for the API's.
+    replicas_in_config: int | msgspec.UnsetType | None = msgspec.UNSET
+    overridden: bool | msgspec.UnsetType = msgspec.UNSET
+    priority: int | msgspec.UnsetType = msgspec.UNSET
+    profiles: list[ProfileView] | msgspec.UnsetType = msgspec.UNSET
+    placed_on: list[str] | msgspec.UnsetType = msgspec.UNSET
+    # Why no replica could be placed, while none can.
+    unplaced: str | msgspec.UnsetType | None = msgspec.UNSET
+    # The model as declared (a server.yaml ``models:`` entry).
+    spec: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ModelRemoved(msgspec.Struct):
+    removed: str
+
+
+def model_view(entry: Entry, controller: Controller, admin: bool) -> ModelView:
+    name = entry.model.name
+    ready = sum(1 for r in controller.replicas.values()
+                if r.model == name and r.state.value == "ready")
+    shown = ModelView(name=name, source=entry.source, description=entry.model.description,
+                      replicas=entry.model.replicas, replicas_ready=ready)
+    if not admin:
+        return shown
+    return msgspec.structs.replace(
+        shown,
+        replicas_in_config=entry.declared_replicas if entry.source == CONFIG else None,
+        overridden=entry.override is not None,
+        priority=entry.model.priority,
+        profiles=[ProfileView(p.name, p.engine, p.nodes, p.gpus)
+                  for p in entry.model.profiles],
+        placed_on=sorted({s.node_id for r in controller.replicas.values()
+                          if r.model == name for s in r.shards}),
+        unplaced=controller.unplaced.get(name),
+        spec=entry.spec,
+    )
+
+
+async def _find(store: Store, settings: ServerConfig, name: str) -> Entry:
+    found = next((e for e in await entries(store, settings) if e.model.name == name), None)
     if found is None:
         raise ApiError(404, f"no model {name!r}; `llmgw ctl models list` (GET /api/models) "
                        "shows them", code="model_not_found")
     return found
 
 
-async def _apply(request: Request) -> list[Entry]:
-    state = request.app.state
-    items = await entries(state.store, state.config)
-    await state.controller.set_catalog(catalog_of(items))
+async def _apply(store: Store, settings: ServerConfig, controller: Controller
+                 ) -> list[Entry]:
+    items = await entries(store, settings)
+    await controller.set_catalog(catalog_of(items))
     return items
 
 
-@get("/api/models")
-async def list_models(request: Request) -> list[dict]:
-    principal = await require(request)
-    state = request.app.state
-    return [model_json(e, state.controller, principal.is_admin)
-            for e in await entries(state.store, state.config)]
+@get("/api/models", **{**SIGNED_IN, "dependencies": DEPENDENCIES},
+     responses=refusals(401))
+async def list_models(principal: NamedDependency[Principal], store: NamedDependency[Store],
+                      config: NamedDependency[ServerConfig],
+                      controller: NamedDependency[Controller]) -> list[ModelView]:
+    return [model_view(e, controller, principal.is_admin)
+            for e in await entries(store, config)]
 
 
-@post("/api/models", status_code=201)
-async def add_model(request: Request) -> dict:
-    await require(request, admin=True)
-    data = decode_json(await request.body() or b"null")
-    try:
-        raw, _ = parse_model(data)
-    except ModelError as err:
-        raise ApiError(400, str(err), param=err.param, code="invalid_model") from None
-    state = request.app.state
-    async with _lock(request):
-        existing = await state.store.get_model(raw.name)
-        if existing is not None or any(m.name == raw.name for m in state.config.models):
+_ADMIN = {**ADMIN, "dependencies": DEPENDENCIES}
+
+
+@post("/api/models", status_code=201, **_ADMIN, dto=ModelBody,
+      responses=refusals(400, 401, 403, 409, 415))
+async def add_model(data: JSONBody[NewModel], store: NamedDependency[Store],
+                    config: NamedDependency[ServerConfig], controller: NamedDependency[Controller],
+                    models_lock: NamedDependency[asyncio.Lock]) -> ModelView:
+    name = data.model.name
+    async with models_lock:
+        existing = await store.get_model(name)
+        if existing is not None or any(m.name == name for m in config.models):
             where = ("server.yaml declares it" if existing is None
-                     or _declared(existing).source == CONFIG else "it was added over the API")
-            raise ApiError(409, f"model {raw.name!r} exists ({where}): scale it with `llmgw "
-                           f"ctl models scale {raw.name} N`, or remove it first",
+                     or declared(existing).source == CONFIG else "it was added over the API")
+            raise ApiError(409, f"model {name!r} exists ({where}): scale it with `llmgw "
+                           f"ctl models scale {name} N`, or remove it first",
                            param="name", code="model_exists")
         # As the operator wrote it (checked above), as server.yaml keeps what it was given.
-        await state.store.put_model(raw.name, _spec(API, data))
-        log.info("model %s added over the API", raw.name)
-        items = await _apply(request)
-    return model_json(next(e for e in items if e.model.name == raw.name), state.controller,
-                      True)
+        await store.put_model(name, stored_spec(API, data.written))
+        log.info("model %s added over the API", name)
+        items = await _apply(store, config, controller)
+    return model_view(next(e for e in items if e.model.name == name), controller, True)
 
 
-@delete("/api/models/{name:path}", status_code=200)
-async def remove_model(request: Request, name: FromPath[str]) -> dict:
-    await require(request, admin=True)
+@delete("/api/models/{name:path}", status_code=200, **_ADMIN,
+        responses=refusals(401, 403, 404, 409, 415))
+async def remove_model(name: FromPath[str], store: NamedDependency[Store],
+                       config: NamedDependency[ServerConfig],
+                       controller: NamedDependency[Controller],
+                       models_lock: NamedDependency[asyncio.Lock]) -> ModelRemoved:
     name = name.lstrip("/")
-    state = request.app.state
-    async with _lock(request):
-        if any(m.name == name for m in state.config.models):
+    async with models_lock:
+        if any(m.name == name for m in config.models):
             raise ApiError(409, f"model {name!r} is declared in server.yaml: remove it there "
                            "and restart the server (to stop its replicas meanwhile: `llmgw "
                            f"ctl models scale {name} 0`)", code="model_in_config")
-        if not await state.store.delete_model(name):
-            await _find(request, name)  # says what to do
+        if not await store.delete_model(name):
+            await _find(store, config, name)  # says what to do
         log.info("model %s removed over the API; its replicas stop", name)
-        await _apply(request)
-    return {"removed": name}
+        await _apply(store, config, controller)
+    return ModelRemoved(name)
 
 
-@patch("/api/models/{name:path}")
-async def scale_model(request: Request, name: FromPath[str]) -> dict:
+@patch("/api/models/{name:path}", **_ADMIN, dto=StrictBody,
+       responses=refusals(400, 401, 403, 404, 415))
+async def scale_model(name: FromPath[str], data: JSONBody[Scale], store: NamedDependency[Store],
+                      config: NamedDependency[ServerConfig],
+                      controller: NamedDependency[Controller],
+                      models_lock: NamedDependency[asyncio.Lock]) -> ModelView:
     """``{"replicas": 3}``; ``{"replicas": null}`` goes back to server.yaml's value."""
-    await require(request, admin=True)
     name = name.lstrip("/")
-    change = await body(request, Scale)
-    state = request.app.state
-    async with _lock(request):
-        entry = await _find(request, name)
+    async with models_lock:
+        entry = await _find(store, config, name)
         if entry.source == CONFIG:
-            raw = next(m for m in state.config.models if m.name == name)
-            await state.store.put_model(name, _spec(CONFIG, msgspec.to_builtins(raw),
-                                                    change.replicas))
-        elif change.replicas is None:
+            raw = next(m for m in config.models if m.name == name)
+            await store.put_model(name, stored_spec(CONFIG, msgspec.to_builtins(raw),
+                                                    data.replicas))
+        elif data.replicas is None:
             raise ApiError(400, f"model {name!r} was added over the API: it has no "
                            "server.yaml value to go back to; give a number of replicas",
                            param="replicas", code="invalid_value")
         else:
-            await state.store.put_model(name, _spec(API, {**entry.spec,
-                                                          "replicas": change.replicas}))
+            await store.put_model(name, stored_spec(API, {**entry.spec,
+                                                          "replicas": data.replicas}))
         log.info("model %s scaled to %s over the API", name,
-                 "server.yaml's replicas" if change.replicas is None else change.replicas)
-        items = await _apply(request)
-    return model_json(next(e for e in items if e.model.name == name), state.controller, True)
+                 "server.yaml's replicas" if data.replicas is None else data.replicas)
+        items = await _apply(store, config, controller)
+    return model_view(next(e for e in items if e.model.name == name), controller, True)
 
 
 ROUTES = [list_models, add_model, remove_model, scale_model]

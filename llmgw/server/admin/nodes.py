@@ -2,14 +2,70 @@
 
 from __future__ import annotations
 
-from litestar import Request, get, post
+from collections.abc import Iterable
+
+import msgspec
+from litestar import get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath
 
-from llmgw.server.admin.common import require
-from llmgw.server.errors import ApiError
+from llmgw.core.replicas import Replica
+from llmgw.server.admin.common import ADMIN
+from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.controller import Controller
+from llmgw.server.errors import ApiError, refusals
 
 
-def node_json(session, replicas) -> dict:
+class GpuView(msgspec.Struct):
+    index: int
+    name: str
+    memory_total_mib: int
+    memory_free_mib: int
+
+
+class EngineView(msgspec.Struct):
+    name: str
+    version: str
+    state: str
+    detail: str
+
+
+class WeightsDirView(msgspec.Struct):
+    path: str
+    shared: bool
+    total_mib: int
+    free_mib: int
+    held: list[str]
+    note: str
+
+
+class RdmaView(msgspec.Struct):
+    adapter: str
+    port: int
+    state: str
+    rate_gbps: float
+    link_layer: str
+
+
+class NodeView(msgspec.Struct):
+    id: str
+    address: str
+    state: str
+    fabric: str | None
+    labels: dict[str, str]
+    gpus: list[GpuView]
+    engines: list[EngineView]
+    disabled_engines: list[str]
+    weights: list[str]
+    weights_dirs: list[WeightsDirView]
+    gpu_driver: str
+    cuda: str
+    rdma: list[RdmaView]
+    replicas: list[str]
+    warnings: list[str]
+
+
+def node_view(session: NodeSession, replicas: Iterable[Replica]) -> NodeView:
     inv = session.register.inventory
     warnings = []
     flags = set(inv.cpu_flags)
@@ -20,55 +76,50 @@ def node_json(session, replicas) -> dict:
     free = beat.weights_free_mib if beat else []
     if len(free) != len(inv.weights_dirs):  # the heartbeat lists them in inventory order
         free = [d.free_mib for d in inv.weights_dirs]
-    return {
-        "id": session.node_id,
-        "address": session.register.address,
-        "state": session.state.value,
-        "fabric": inv.fabric,
-        "labels": inv.labels,
-        "gpus": [{"index": g.index, "name": g.name, "memory_total_mib": g.memory_total_mib,
-                  "memory_free_mib": g.memory_free_mib} for g in inv.gpus],
-        "engines": [{"name": e.name, "version": e.version, "state": e.state,
-                     "detail": e.detail} for e in inv.engines],
-        "disabled_engines": inv.disabled_engines,
-        "weights": inv.weights,
-        "weights_dirs": [{"path": d.path, "shared": d.shared, "total_mib": d.total_mib,
-                          "free_mib": f, "held": d.held, "note": d.note}
-                         for d, f in zip(inv.weights_dirs, free, strict=True)],
-        "gpu_driver": inv.gpu_driver, "cuda": inv.cuda,
-        "rdma": [{"adapter": p.adapter, "port": p.port, "state": p.state,
-                  "rate_gbps": p.rate_gbps, "link_layer": p.link_layer} for p in inv.rdma],
-        "replicas": sorted(r.id for r in replicas
-                           if any(s.node_id == session.node_id for s in r.shards)),
-        "warnings": warnings,
-    }
+    return NodeView(
+        id=session.node_id,
+        address=session.register.address,
+        state=session.state.value,
+        fabric=inv.fabric,
+        labels=inv.labels,
+        gpus=[GpuView(g.index, g.name, g.memory_total_mib, g.memory_free_mib)
+              for g in inv.gpus],
+        engines=[EngineView(e.name, e.version, e.state, e.detail) for e in inv.engines],
+        disabled_engines=inv.disabled_engines,
+        weights=inv.weights,
+        weights_dirs=[WeightsDirView(d.path, d.shared, d.total_mib, f, d.held, d.note)
+                      for d, f in zip(inv.weights_dirs, free, strict=True)],
+        gpu_driver=inv.gpu_driver, cuda=inv.cuda,
+        rdma=[RdmaView(p.adapter, p.port, p.state, p.rate_gbps, p.link_layer)
+              for p in inv.rdma],
+        replicas=sorted(r.id for r in replicas
+                        if any(s.node_id == session.node_id for s in r.shards)),
+        warnings=warnings,
+    )
 
 
-@get("/api/nodes")
-async def list_nodes(request: Request) -> list[dict]:
-    await require(request, admin=True)
-    controller = request.app.state.controller
-    return [node_json(s, controller.replicas.values()) for s in controller.sessions.all()]
+@get("/api/nodes", **ADMIN, responses=refusals(401, 403))
+async def list_nodes(controller: NamedDependency[Controller]) -> list[NodeView]:
+    return [node_view(s, controller.replicas.values()) for s in controller.sessions.all()]
 
 
-async def _drain(request: Request, node_id: str, draining: bool) -> dict:
-    await require(request, admin=True)
-    controller = request.app.state.controller
+async def _drain(controller: Controller, node_id: str, draining: bool) -> NodeView:
     if controller.sessions.get(node_id) is None:
         raise ApiError(404, f"no node {node_id!r} has registered", code="node_not_found")
     await controller.set_draining(node_id, draining)
-    session = controller.sessions.get(node_id)
-    return node_json(session, controller.replicas.values())
+    return node_view(controller.sessions.get(node_id), controller.replicas.values())
 
 
-@post("/api/nodes/{node_id:str}/drain", status_code=200)
-async def drain(request: Request, node_id: FromPath[str]) -> dict:
-    return await _drain(request, node_id, True)
+@post("/api/nodes/{node_id:str}/drain", status_code=200, **ADMIN,
+      responses=refusals(401, 403, 404, 415))
+async def drain(node_id: FromPath[str], controller: NamedDependency[Controller]) -> NodeView:
+    return await _drain(controller, node_id, True)
 
 
-@post("/api/nodes/{node_id:str}/undrain", status_code=200)
-async def undrain(request: Request, node_id: FromPath[str]) -> dict:
-    return await _drain(request, node_id, False)
+@post("/api/nodes/{node_id:str}/undrain", status_code=200, **ADMIN,
+      responses=refusals(401, 403, 404, 415))
+async def undrain(node_id: FromPath[str], controller: NamedDependency[Controller]) -> NodeView:
+    return await _drain(controller, node_id, False)
 
 
 ROUTES = [list_nodes, drain, undrain]

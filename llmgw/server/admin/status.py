@@ -2,64 +2,126 @@
 
 from __future__ import annotations
 
-from litestar import Request, get
+from collections.abc import Iterable
 
-from llmgw.server.admin.common import require
-from llmgw.server.admin.nodes import node_json
+import msgspec
+from litestar import get
+from litestar.di import NamedDependency
+
+from llmgw.core.catalog import Model
+from llmgw.core.throttle import LoginThrottle
+from llmgw.server.admin.common import ADMIN
+from llmgw.server.admin.nodes import NodeView, node_view
+from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.auth.passwords import PasswordHasher
+from llmgw.server.controller import Controller
+from llmgw.server.errors import refusals
+from llmgw.server.openai.router import Router
 
 
-@get("/api/status")
-async def status(request: Request) -> dict:
-    await require(request, admin=True)
-    controller = request.app.state.controller
-    in_flight = request.app.state.router.in_flight()
-    nodes = [node_json(s, controller.replicas.values()) for s in controller.sessions.all()]
+class ShardView(msgspec.Struct):
+    rank: int
+    node: str
+    port: int | None
+    state: str
+    detail: str
+
+
+class ReplicaView(msgspec.Struct):
+    id: str
+    model: str
+    profile: str
+    epoch: int
+    state: str
+    reason: str
+    in_flight: int
+    shards: list[ShardView]
+
+
+class WeightsHeld(msgspec.Struct):
+    """Where a model's weights are in one fabric: on these nodes, and on these shared
+    directories (a filer counts once, however many nodes see it)."""
+
+    fabric: str | None
+    nodes: list[str]
+    shared: list[str]
+
+
+class ModelStatus(msgspec.Struct):
+    name: str
+    replicas_wanted: int
+    priority: int
+    weights_in_fabrics: list[str]
+    weights: list[WeightsHeld]
+    replicas_ready: int
+    unplaced: str | None
+
+
+class Logins(msgspec.Struct):
+    """The login throttle's addresses, and the password hasher's slots."""
+
+    tracked_addresses: int
+    throttle_capacity: int
+    slots: int
+    in_use: int
+    peak: int
+
+
+class Status(msgspec.Struct):
+    nodes: list[NodeView]
+    replicas: list[ReplicaView]
+    models: list[ModelStatus]
+    logins: Logins
+
+
+@get("/api/status", **ADMIN, responses=refusals(401, 403))
+async def status(controller: NamedDependency[Controller], router: NamedDependency[Router],
+                 throttle: NamedDependency[LoginThrottle],
+                 hasher: NamedDependency[PasswordHasher]) -> Status:
+    in_flight = router.in_flight()
+    sessions = controller.sessions.all()
+    nodes = [node_view(s, controller.replicas.values()) for s in sessions]
     replicas = [
-        {
-            "id": r.id, "model": r.model, "profile": r.profile, "epoch": r.epoch,
-            "state": r.state.value, "reason": r.reason, "in_flight": in_flight.get(r.id, 0),
-            "shards": [{"rank": s.rank, "node": s.node_id, "port": s.port, "state": s.state,
-                        "detail": s.detail} for s in r.shards],
-        }
+        ReplicaView(
+            id=r.id, model=r.model, profile=r.profile, epoch=r.epoch, state=r.state.value,
+            reason=r.reason, in_flight=in_flight.get(r.id, 0),
+            shards=[ShardView(s.rank, s.node_id, s.port, s.state, s.detail)
+                    for s in r.shards])
         for r in sorted(controller.replicas.values(), key=lambda r: r.id)
     ]
-    sessions = controller.sessions.all()
-    models = [
-        {"name": m.name, "replicas_wanted": m.replicas, "priority": m.priority,
-         "weights_in_fabrics": sorted({h["fabric"] for h in weights_held(m, sessions)
-                                       if h["fabric"]}),
-         "weights": weights_held(m, sessions),
-         "replicas_ready": sum(1 for r in controller.replicas.values()
+    models = []
+    for m in controller.catalog.models:
+        held = weights_held(m, sessions)
+        models.append(ModelStatus(
+            name=m.name, replicas_wanted=m.replicas, priority=m.priority,
+            weights_in_fabrics=sorted({h.fabric for h in held if h.fabric}), weights=held,
+            replicas_ready=sum(1 for r in controller.replicas.values()
                                if r.model == m.name and r.state.value == "ready"),
-         "unplaced": controller.unplaced.get(m.name)}
-        for m in controller.catalog.models
-    ]
-    state = request.app.state
-    logins = {"tracked_addresses": len(state.throttle),
-              "throttle_capacity": state.throttle.capacity, **state.hasher.stats()}
-    return {"nodes": nodes, "replicas": replicas, "models": models, "logins": logins}
+            unplaced=controller.unplaced.get(m.name)))
+    logins = Logins(tracked_addresses=len(throttle), throttle_capacity=throttle.capacity,
+                    **hasher.stats())
+    return Status(nodes=nodes, replicas=replicas, models=models, logins=logins)
 
 
-def weights_held(model, sessions) -> list[dict]:
+def weights_held(model: Model, sessions: Iterable[NodeSession]) -> list[WeightsHeld]:
     """Where the model's weights are, per fabric: weights in one fabric are no use in
     another without a slow copy over the management network. A shared filer counts once,
     however many nodes see it."""
     keys = {model.weights_key(p) for p in model.profiles}
-    fabrics: dict[str | None, dict] = {}
+    fabrics: dict[str | None, WeightsHeld] = {}
     for session in sessions:
         inv = session.register.inventory
         for directory in inv.weights_dirs or [None]:
             held = set(directory.held) if directory else set(inv.weights)
             if not held & keys:
                 continue
-            entry = fabrics.setdefault(inv.fabric, {"fabric": inv.fabric, "nodes": [],
-                                                    "shared": []})
+            entry = fabrics.setdefault(inv.fabric, WeightsHeld(inv.fabric, [], []))
             if directory is not None and directory.shared:
-                if directory.path not in entry["shared"]:
-                    entry["shared"].append(directory.path)
-            elif session.node_id not in entry["nodes"]:
-                entry["nodes"].append(session.node_id)
-    return sorted(fabrics.values(), key=lambda e: (e["fabric"] is None, e["fabric"] or ""))
+                if directory.path not in entry.shared:
+                    entry.shared.append(directory.path)
+            elif session.node_id not in entry.nodes:
+                entry.nodes.append(session.node_id)
+    return sorted(fabrics.values(), key=lambda e: (e.fabric is None, e.fabric or ""))
 
 
 ROUTES = [status]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from litestar import WebSocket, websocket
+from litestar.di import NamedDependency
 from litestar.exceptions import WebSocketDisconnect
 
 from llmgw.config import ServerConfig
@@ -21,6 +22,8 @@ from llmgw.server.agents.protocol import (
     refuse,
     serve_agent,
 )
+from llmgw.server.controller import Controller
+from llmgw.server.dependencies import from_states
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +62,12 @@ def plain_refusal(config: ServerConfig, peer: str) -> str | None:
     return None
 
 
-@websocket("/agent/v1/stream")
-async def agent_stream(socket: WebSocket) -> None:
+@websocket("/agent/v1/stream", dependencies=from_states("config", "controller"))
+async def agent_stream(socket: WebSocket, config: NamedDependency[ServerConfig],
+                       controller: NamedDependency[Controller]) -> None:
     adapter = LitestarSocket(socket)
     await socket.accept()
-    why_not = plain_refusal(socket.app.state.config, adapter.peer)
+    why_not = plain_refusal(config, adapter.peer)
     if why_not is not None:
         return await refuse(adapter, adapter.peer, CLOSE_UNAUTHORIZED, why_not)
-    await serve_agent(adapter, socket.app.state.controller)
+    await serve_agent(adapter, controller)

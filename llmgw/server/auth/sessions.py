@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from litestar import Request
+from litestar.connection import ASGIConnection
 
 from llmgw.server.auth.admin_token import admin_token_ok
 from llmgw.server.auth.keys import bearer
@@ -72,43 +72,44 @@ def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
-def require_json(request: Request, what: str, otherwise: str = "") -> None:
+def require_json(connection: ASGIConnection, what: str, otherwise: str = "") -> None:
     """Refuse (415) a request a form on another site could have sent: one without
     ``Content-Type: application/json``. ``what`` names the request in the message,
     ``otherwise`` adds another way to send it."""
-    if not _is_json(request.headers.get("content-type")):
+    if not _is_json(connection.headers.get("content-type")):
         raise ApiError(415, f"{what} must be sent with `Content-Type: application/json`, "
                        f"even without a body (a form on another site cannot send that){otherwise}",
                        code="json_required")
 
 
-def session_token(request: Request) -> str | None:
+def session_token(connection: ASGIConnection) -> str | None:
     """The session a request carries: a bearer ``llmgws_`` token, else the cookie. A
     cookie on a request that may change something is taken only with a JSON content type
     (see the module's docstring); without one the request is refused with 415."""
-    token = bearer(request.headers.get("authorization"))
+    token = bearer(connection.headers.get("authorization"))
     if token and token.startswith(SESSION_PREFIX):
         return token
-    cookie = request.cookies.get(COOKIE)
-    if cookie and request.method.upper() not in SAFE_METHODS:
-        require_json(request, f"a {request.method.upper()} with the session cookie",
+    cookie = connection.cookies.get(COOKIE)
+    method = connection.scope.get("method", "GET").upper()
+    if cookie and method not in SAFE_METHODS:
+        require_json(connection, f"a {method} with the session cookie",
                      "; or send the session as `Authorization: Bearer llmgws_…`")
     return cookie
 
 
-async def resolve(request: Request) -> Principal | None:
+async def resolve(connection: ASGIConnection, admin_token: str, store: Store
+                  ) -> Principal | None:
     """The principal behind a request, or None for an anonymous one."""
-    state = request.app.state
-    token = bearer(request.headers.get("authorization"))
-    if token and admin_token_ok(state.admin_token, token):
+    token = bearer(connection.headers.get("authorization"))
+    if token and admin_token_ok(admin_token, token):
         return ADMIN_TOKEN_HOLDER
-    session = session_token(request)
+    session = session_token(connection)
     if not session:
         return None
-    record = await state.store.find_session(_hash(session))
+    record = await store.find_session(_hash(session))
     if record is None or record.expires_at <= datetime.now(UTC):
         return None
-    account = await state.store.get_account(record.account_id)
+    account = await store.get_account(record.account_id)
     if account is None or account.disabled_at is not None:
         return None
     return Principal(account.id, account.username, account.role, session)

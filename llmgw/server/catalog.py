@@ -1,0 +1,150 @@
+"""The catalog the server serves: server.yaml's models merged with those added over the API.
+
+Two sources, one catalog. server.yaml declares some models (source ``config``): they stay
+declared there, and the store mirrors them at every start. Others are added over the API
+(source ``api``) and live in the store alone, so they survive restarts. Scaling works for
+both: an API model's replicas are simply changed; a server.yaml model gets an override
+kept beside its mirror, which outlives restarts and edits of server.yaml until it is reset
+(``PATCH {"replicas": null}``, ``llmgw ctl models scale NAME --reset``).
+
+What the store keeps per model (``StoredModel.spec``) is a ``Declared``. A row written
+before sources existed is a bare server.yaml entry: it reads as a ``config`` mirror.
+
+The merge is here, not in the HTTP handlers, because the server runs it at start
+(``sync_declared``) as well as after every change over the API (``entries``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+import msgspec
+
+from llmgw import config
+from llmgw.core.catalog import Catalog, CatalogError, Model, model_from_config
+from llmgw.store import Store, StoredModel
+
+log = logging.getLogger(__name__)
+
+CONFIG, API = "config", "api"
+
+
+class Declared(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    source: Literal["config", "api"]
+    # Exactly as a server.yaml ``models:`` entry.
+    model: dict[str, Any]
+    # A server.yaml model scaled over the API; None: server.yaml's replicas.
+    replicas_override: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One model as the catalog serves it, with where it came from."""
+
+    source: str
+    spec: dict[str, Any]
+    model: Model  # replicas already overridden
+    declared_replicas: int  # what server.yaml (or the API's add) says
+    override: int | None
+
+
+class ModelError(ValueError):
+    """A model document that cannot be used; the message names the key path."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def parse_model(data: Any, where: str = "model") -> tuple[config.Model, Model]:
+    """Check one model written as a server.yaml ``models:`` entry, with server.yaml's own
+    rules; errors name the key path (``model.profiles[0].gpus: expected int, got str``)."""
+    if not isinstance(data, dict):
+        raise ModelError(f"{where}: expected one model as a mapping (name, profiles, "
+                         f"replicas, ...), got {type(data).__name__}")
+    marker = "<model>: models[0]"
+    try:
+        raw = config.parse({"models": [data]}, config.ServerConfig, "<model>").models[0]
+    except config.ConfigError as err:
+        text = str(err).replace(marker, where, 1)
+        raise ModelError(text, _param(text, where)) from None
+    try:
+        return raw, model_from_config(raw, where)
+    except CatalogError as err:
+        raise ModelError(str(err), _param(str(err), where)) from None
+
+
+def _param(text: str, where: str) -> str | None:
+    path = text.split(":", 1)[0]
+    return path.removeprefix(where).lstrip(".") or None
+
+
+def declared(stored: StoredModel) -> Declared:
+    """What the store keeps of a model, read as a ``Declared``."""
+    if "source" not in stored.spec:
+        return Declared(source=CONFIG, model=stored.spec)
+    return msgspec.convert(stored.spec, Declared)
+
+
+def stored_spec(source: str, model: dict[str, Any], override: int | None = None) -> dict:
+    """The spec to store for a model from ``source``."""
+    return msgspec.to_builtins(Declared(source=source, model=model,
+                                        replicas_override=override))
+
+
+async def entries(store: Store, settings: config.ServerConfig) -> list[Entry]:
+    """server.yaml's models in its order, then the API's by name. server.yaml's come from
+    the file itself (checked at start); only their overrides come from the store."""
+    stored = {s.name: declared(s) for s in await store.list_models()}
+    result = []
+    for i, raw in enumerate(settings.models):
+        kept = stored.get(raw.name)
+        override = kept.replicas_override if kept and kept.source == CONFIG else None
+        model = model_from_config(raw, f"models[{i}]")
+        if override is not None:
+            model = dataclasses.replace(model, replicas=override)
+        result.append(Entry(CONFIG, msgspec.to_builtins(raw), model, raw.replicas, override))
+    in_config = {m.name for m in settings.models}
+    for name, kept in sorted(stored.items()):
+        if kept.source != API or name in in_config:
+            continue
+        try:
+            raw, model = parse_model(kept.model, f"model {name} (added over the API)")
+        except ModelError as err:
+            # An upgrade may have tightened a rule: serve the rest, say what to do.
+            log.error("%s; not served: fix it with `llmgw ctl models remove %s` and add it "
+                      "again", err, name)
+            continue
+        result.append(Entry(API, kept.model, model, raw.replicas, None))
+    return result
+
+
+def catalog_of(items: list[Entry]) -> Catalog:
+    return Catalog(tuple(e.model for e in items))
+
+
+async def sync_declared(store: Store, settings: config.ServerConfig) -> Catalog:
+    """At start: mirror server.yaml's models into the store, keeping their overrides and
+    the API's models; forget server.yaml models that are no longer declared."""
+    in_config = {m.name: m for m in settings.models}
+    stored = {s.name: declared(s) for s in await store.list_models()}
+    for name, raw in in_config.items():
+        kept = stored.get(name)
+        override = None
+        if kept is not None and kept.source == CONFIG:
+            override = kept.replicas_override
+        elif kept is not None:
+            log.warning("model %s: server.yaml declares it now; its definition from the API "
+                        "is replaced by server.yaml's", name)
+        if override is not None and override != raw.replicas:
+            log.info("model %s: %d replica(s), set over the API (server.yaml: %d); "
+                     "`llmgw ctl models scale %s --reset` goes back to server.yaml's",
+                     name, override, raw.replicas, name)
+        await store.put_model(name, stored_spec(CONFIG, msgspec.to_builtins(raw), override))
+    for name, kept in stored.items():
+        if name not in in_config and kept.source == CONFIG:
+            await store.delete_model(name)
+            log.info("model %s is no longer in server.yaml: removed", name)
+    return catalog_of(await entries(store, settings))
