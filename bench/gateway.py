@@ -1,14 +1,18 @@
 """What the gateway costs per request: CPU, latency and time to first token, against the floor.
 
-Three targets, measured in one run, round after round in turn (the order rotates each round,
-so drift in the machine's load hits all three alike):
+Four targets, measured in one run, round after round in turn (the order rotates each round,
+so drift in the machine's load hits them all alike):
 
 - direct: the client talks to the engine itself;
 - floor: through a bare L7 proxy on uvloop and httptools (``bench/fake_engine.py
   proxy``), the least a Python proxy can cost;
-- llmgw: through a real ``llmgw server``, which learnt of the engine from a real
-  ``llmgw agent``, exactly as in a deployment; every request carries an API key (one
-  without limits), as in a deployment (``--no-key`` turns keys off).
+- llmgw: through a real ``llmgw server`` on its default HTTP server (uvicorn), which
+  learnt of the engine from a real ``llmgw agent``, exactly as in a deployment; every
+  request carries an API key (one without limits), as in a deployment (``--no-key`` turns
+  keys off);
+- granian: the same on granian (``listen.server: granian``): a second server with its own
+  agent and fake engine, so that each server's process holds only its own requests
+  (``--no-granian`` leaves it out).
 
 The engine is a fake (``bench/fake_engine.py engine``: prepared bytes, no JSON read), so
 what a gateway adds is most of what there is to see. The agent launches it through llmgw's
@@ -62,6 +66,8 @@ FAKE_ENGINE = HERE / "fake_engine.py"
 FAKE_MODEL = "bench-fake"
 LLAMA_MODEL = "smollm2-135m"
 TARGETS = ("direct", "floor", "llmgw")
+# llmgw on granian: the second cluster's llmgw target (Cluster.granian).
+GRANIAN = "granian"
 HEADERS = {"content-type": "application/json"}
 # Waited after the load before the gateways' idle CPU is read again: past a usage flush,
 # a key refresh and a controller pass, which the load's last second leaves due.
@@ -183,7 +189,8 @@ def llama_files() -> tuple[Path, Path] | None:
 
 def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
                   llama: tuple[Path, Path] | None, keys: bool,
-                  key_cache_s: float | None = None) -> tuple[Path, Path]:
+                  key_cache_s: float | None = None, http_server: str = "uvicorn"
+                  ) -> tuple[Path, Path]:
     """server.yaml, agent.yaml and the agent's llama.cpp "binary"."""
     wrapper = tmp / "llama-server"
     real = f'    *.gguf) exec {llama[0]} "$@" ;;\n' if llama else ""
@@ -203,7 +210,8 @@ def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
             engine="llama.cpp", weights=str(llama[1]), startup_timeout_s=300,
             args=["--threads", "1"])]))
     server = cfg.ServerConfig(
-        listen=cfg.Listen(host="127.0.0.1", port=port), state_dir=str(tmp / "server"),
+        listen=cfg.Listen(host="127.0.0.1", port=port, server=http_server),
+        state_dir=str(tmp / "server"),
         auth=cfg.Auth(require_api_key=keys, **(
             {"key_cache_s": key_cache_s} if key_cache_s is not None else {})),
         models=models, log_level="warning")
@@ -266,15 +274,39 @@ class Cluster:
     # Sent with every request to llmgw: its API key, as every deployment sends one.
     llmgw_headers: dict[str, str] = field(default_factory=dict)
     llama_url: str | None = None  # the real llama-server, direct
+    # llmgw on granian: a cluster of its own (server, agent, engine; no floor), whose
+    # llmgw target is this one's GRANIAN target.
+    granian: Cluster | None = None
+
+    def targets(self) -> tuple[str, ...]:
+        return TARGETS + ((GRANIAN,) if self.granian else ())
 
     def gateways(self) -> dict[str, list[int]]:
         """The processes whose CPU is the gateway's, per target."""
-        return {"direct": [], "floor": process_tree(self.procs["floor"].pid),
-                "llmgw": process_tree(self.procs["server"].pid)}
+        out = {"direct": [], "floor": process_tree(self.procs["floor"].pid),
+               "llmgw": process_tree(self.procs["server"].pid)}
+        if self.granian:
+            out[GRANIAN] = process_tree(self.granian.procs["server"].pid)
+        return out
+
+    def url(self, target: str) -> str:
+        return self.granian.urls["llmgw"] if target == GRANIAN else self.urls[target]
+
+    def headers(self, target: str) -> dict[str, str] | None:
+        """What every request to ``target`` carries beside the body's type: llmgw's key."""
+        if target == GRANIAN:
+            return self.granian.llmgw_headers
+        return self.llmgw_headers if target == "llmgw" else None
+
+    def engines(self, target: str) -> list[int]:
+        """The engine processes ``target``'s requests reach."""
+        return self.granian.engine_pids if target == GRANIAN else self.engine_pids
 
     def stop(self) -> None:
         """The floor, the agent (which stops its engines), the server; then any engine
-        the agent left behind, by PID."""
+        the agent left behind, by PID. The granian cluster first, the same way."""
+        if self.granian:
+            self.granian.stop()
         agent = self.procs.get("agent")
         if agent is not None:
             self.engine_pids += [p for p in process_tree(agent.pid)[1:]
@@ -294,14 +326,17 @@ def _as_is(role: str, argv: list[str]) -> list[str]:
 async def start(cluster: Cluster, events: int, gap_ms: float,
                 llama: tuple[Path, Path] | None, keys: bool = True, *,
                 launch: Callable[[str, list[str]], list[str]] = _as_is,
-                key_cache_s: float | None = None, ready_s: float = 60.0) -> list[str]:
-    """The cluster started and ready within ``ready_s``. ``launch(role, argv)`` may change
-    the command line of the ``server`` and the ``floor`` (to run them under a counter,
-    say)."""
+                key_cache_s: float | None = None, ready_s: float = 60.0,
+                http_server: str = "uvicorn", floor: bool = True) -> list[str]:
+    """The cluster started and ready within ``ready_s``, its server on ``http_server``;
+    without ``floor``, no floor proxy (its urls have no floor). ``launch(role, argv)`` may
+    change the command line of the ``server`` and the ``floor`` (to run them under a
+    counter, say)."""
     tmp, notes = cluster.tmp, []
+    tmp.mkdir(exist_ok=True)
     port, floor_port = free_port(), free_port()
     server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama, keys,
-                                            key_cache_s)
+                                            key_cache_s, http_server)
     (tmp / "server").mkdir(mode=0o700)
     token, _ = load_or_create_admin_token(tmp / "server")
     python = [sys.executable, "-m", "llmgw"]
@@ -317,12 +352,14 @@ async def start(cluster: Cluster, events: int, gap_ms: float,
         cluster.llmgw_headers = {"authorization": f"Bearer {await api_key(base, token)}"}
     cluster.engine_pids = [p for p in process_tree(cluster.procs["agent"].pid)[1:]
                            if str(FAKE_ENGINE) in cmdline(p)]
+    path = "/v1/chat/completions"
+    cluster.urls = {"direct": f"http://127.0.0.1:{engine}{path}", "llmgw": base + path}
+    if not floor:
+        return notes
     cluster.procs["floor"] = spawn(launch("floor", [
         sys.executable, str(FAKE_ENGINE), "proxy", "--port", str(floor_port),
         "--upstream", f"127.0.0.1:{engine}"]), tmp / "floor.log")
-    path = "/v1/chat/completions"
-    cluster.urls = {"direct": f"http://127.0.0.1:{engine}{path}",
-                    "floor": f"http://127.0.0.1:{floor_port}{path}", "llmgw": base + path}
+    cluster.urls["floor"] = f"http://127.0.0.1:{floor_port}{path}"
     if llama:
         try:
             ports = await wait_ready(base, token, [LLAMA_MODEL], procs, 300.0)
@@ -435,28 +472,27 @@ def rotations(targets: tuple[str, ...], rounds: int) -> Iterator[tuple[str, ...]
 
 async def measure(cluster: Cluster, args: argparse.Namespace
                   ) -> dict[tuple[bool, int, str], Cell]:
-    gateways = cluster.gateways()
+    gateways, targets = cluster.gateways(), cluster.targets()
     cells: dict[tuple[bool, int, str], Cell] = {}
     sessions = {t: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=60),
-                                         headers=cluster.llmgw_headers if t == "llmgw"
-                                         else None)
-                for t in TARGETS}
+                                         headers=cluster.headers(t))
+                for t in targets}
     try:
         for stream in (False, True):
             data = body(FAKE_MODEL, stream)
             for conc in args.concurrency:
                 what = f"{'stream' if stream else 'plain'}, concurrency {conc}"
                 console.print(f"measuring {what} ...", style="dim")
-                for target in TARGETS:  # warm: connections open, code paths hot
-                    await run_round(sessions[target], cluster.urls[target], data, stream,
+                for target in targets:  # warm: connections open, code paths hot
+                    await run_round(sessions[target], cluster.url(target), data, stream,
                                     conc, args.warm, args.max_requests, args.events)
-                for order in rotations(TARGETS, args.rounds):
+                for order in rotations(targets, args.rounds):
                     for target in order:
                         cell = cells.setdefault((stream, conc, target), Cell())
-                        await run_round(sessions[target], cluster.urls[target], data, stream,
+                        await run_round(sessions[target], cluster.url(target), data, stream,
                                         conc, args.round_s, args.max_requests, args.events,
-                                        cell, gateways[target], cluster.engine_pids)
+                                        cell, gateways[target], cluster.engines(target))
     finally:
         for session in sessions.values():
             await session.close()
@@ -648,7 +684,7 @@ def middle_half(ratios: list[float], digits: int = 2) -> str:
 
 
 def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
-          concurrency: list[int]) -> Table:
+          concurrency: list[int], targets: tuple[str, ...] = TARGETS) -> Table:
     if stream:
         title = "streams: CPU per event, time to first event (TTFT)"
         columns = ("target", "conc", "streams", "events/s", "gateway\nµs/event",
@@ -664,7 +700,7 @@ def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
     for conc in concurrency:
         direct = cells[(stream, conc, "direct")]
         floor = cells[(stream, conc, "floor")]
-        for target in TARGETS:
+        for target in targets:
             cell = cells[(stream, conc, target)]
             times = cell.firsts if stream else cell.latencies
             added = "-" if target == "direct" else _ms(
@@ -682,7 +718,7 @@ def table(cells: dict[tuple[bool, int, str], Cell], stream: bool,
                 row.append("-" if target == "direct" else f"{per_stream:.0f}")
             row += [f"{_us(cell.engine_ns, cell.requests):.1f}", _ms(pct(times, 0.5)),
                     _ms(pct(times, 0.99)), added, ratio, paired]
-            out.add_row(*row, end_section=target == TARGETS[-1])
+            out.add_row(*row, end_section=target == targets[-1])
     return out
 
 
@@ -763,6 +799,27 @@ def verdicts(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int],
     return out
 
 
+def granian_lines(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int]
+                  ) -> list[str]:
+    """Each mode and concurrency: CPU per request (or event) of llmgw on granian and on
+    uvicorn as the median of the rounds' ratios to the floor, and their added p50 (or time
+    to first event) as the median of the rounds' own against direct."""
+    out = []
+    for stream in (False, True):
+        unit, latency = ("event", "TTFT") if stream else ("request", "p50")
+        for conc in concurrency:
+            floor, direct = cells[(stream, conc, "floor")], cells[(stream, conc, "direct")]
+            figures = []
+            for target in ("llmgw", GRANIAN):
+                cell = cells[(stream, conc, target)]
+                added = paired_added(cell, direct)
+                figures.append(f"{target} {paired_ratio(cell, floor):.2f} x floor, added "
+                               f"{latency} {statistics.median(added) if added else math.nan:.2f}"
+                               " ms")
+            out.append(f"CPU per {unit}, concurrency {conc}: " + "; ".join(figures))
+    return out
+
+
 # --- main ----------------------------------------------------------------------------------
 
 
@@ -777,7 +834,13 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
     try:
         console.print("starting llmgw server, agent, fake engine and floor proxy ...",
                       style="dim")
-        notes += await start(cluster, args.events, args.gap_ms, llama, not args.no_key)
+        starts = [start(cluster, args.events, args.gap_ms, llama, not args.no_key)]
+        if not args.no_granian:
+            cluster.granian = Cluster(tmp / "granian")
+            starts.append(start(cluster.granian, args.events, args.gap_ms, None,
+                                not args.no_key, http_server="granian", floor=False))
+        for started in await asyncio.gather(*starts):
+            notes += started
         if args.no_key:
             notes.append("llmgw ran without API keys (--no-key)")
         idle = await idle_cpu(cluster)
@@ -795,14 +858,23 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
         gens = None
         if cluster.llama_url:
             gens = await measure_llama(cluster, args.llama_rounds, args.tokens)
-        console.print(table(cells, False, args.concurrency))
-        console.print(table(cells, True, args.concurrency))
+        targets = cluster.targets()
+        console.print(table(cells, False, args.concurrency, targets))
+        console.print(table(cells, True, args.concurrency, targets))
+        if cluster.granian:
+            console.print("llmgw: on uvicorn (the default); granian: llmgw on granian "
+                          "(listen.server: granian), a cluster of its own", style="dim")
         if gens:
             console.print(llama_table(gens, args.tokens))
         console.print("[bold]targets[/] (informational)")
         for what, measured, within in verdicts(cells, args.concurrency, gens):
             mark = "[green]pass[/]" if within else "[red]FAIL[/]"
             console.print(f"  {mark}  {what}: {measured}")
+        if cluster.granian:
+            console.print("[bold]granian against llmgw on uvicorn[/] (no target: "
+                          "docs/gateway.md, \"The HTTP server\")")
+            for line in granian_lines(cells, args.concurrency):
+                console.print(f"  {line}")
         notes.append("idle CPU, µs per second, just after start: " + ", ".join(
             f"{t} {v:.0f}" for t, v in idle.items()) + "; once the load was over: " + ", ".join(
             f"{t} {v:.0f}" for t, v in idle_after.items()))
@@ -844,6 +916,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-rounds", type=int, default=None,
                         help="llama-server generations per target (default 20; --quick 4)")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama-server part")
+    parser.add_argument("--no-granian", action="store_true",
+                        help="leave out llmgw on granian (listen.server: granian) and its "
+                             "cluster")
     parser.add_argument("--no-key", action="store_true",
                         help="llmgw with auth.require_api_key false and no key sent (by "
                              "default every request to llmgw carries an API key, as in "

@@ -29,12 +29,25 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 # --- server.yaml ---------------------------------------------------------------------------
 
 
+HTTP_SERVERS = ("uvicorn", "granian")
+
+
 class Listen(_Config):
     host: str = "127.0.0.1"
     port: Port = 8080
     # Without a tls block the server speaks plain HTTP: passwords, keys and the agent
     # stream in the clear. Allowed on loopback; anywhere else only when set on purpose.
     allow_plain_http: bool = False
+    # The HTTP server for /v1 and the admin API (docs/gateway.md, "The HTTP server"):
+    # uvicorn costs less CPU per request; granian for those who run it elsewhere.
+    server: str = "uvicorn"
+
+    def __post_init__(self) -> None:
+        # Checked here rather than typed as a Literal: msgspec's "invalid enum value" would
+        # not say which values there are.
+        if self.server not in HTTP_SERVERS:
+            raise ValueError(f"server: {self.server!r} is not an HTTP server llmgw runs; "
+                             f"write {' or '.join(HTTP_SERVERS)} (the default is uvicorn)")
 
 
 class StoreSettings(_Config):

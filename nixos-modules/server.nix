@@ -127,6 +127,12 @@ in
               default = false;
               description = "Serve plain HTTP off loopback without `tls`: passwords and keys in the clear.";
             };
+            server = mkOption {
+              type = types.nullOr (types.enum [ "uvicorn" "granian" ]);
+              default = null;
+              example = "granian";
+              description = "The HTTP server: uvicorn (null: llmgw's default; less CPU per request) or granian (docs/gateway.md, \"The HTTP server\").";
+            };
           };
           state_dir = mkOption {
             type = types.str;

@@ -7,8 +7,8 @@ outlives every server process, so while one stops and the next starts, the kerne
 accepting connections into its queue and the next server answers them: a restart or an
 upgrade refuses no connection.
 
-Either way the server is handed a listening socket (``listening_socket``): uvicorn serves
-the socket it is given.
+Either way the server is handed a listening socket (``listening_socket``), and serves the
+socket it is given: uvicorn as it is, granian through ``serve_granian``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from llmgw.config import ConfigError, Listen
 from llmgw.core.names import hostport
 
 SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): passed sockets start at this fd
+# Connections the kernel queues while the server is busy (capped by net.core.somaxconn).
+BACKLOG = 2048
 _ENV = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 
 
@@ -129,7 +131,7 @@ def listening_socket(listen: Listen) -> tuple[socket.socket, str]:
     host = listen.host
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, listen.port), family=family, backlog=2048)
+        sock = socket.create_server((host, listen.port), family=family, backlog=BACKLOG)
     except OSError as err:
         raise ListenError(f"cannot listen on {hostport(host, listen.port)}: "
                           f"{err.strerror or err}; change listen in server.yaml or stop what "

@@ -6,9 +6,13 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 
-from llmgw.config import ConfigError, ServerConfig
+from litestar.types import ASGIApp
+
+from llmgw.config import ConfigError, Listen, ServerConfig
 from llmgw.core.catalog import Catalog, catalog_from_config
 from llmgw.core.names import is_loopback_host
 from llmgw.server.agents.live import LiveStreams
@@ -79,17 +83,18 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
         sock, where = listening_socket(config.listen)
         # /v1 and the admin API over TLS with the server's certificate; no client certificate.
-        http = make_server(server.asgi, sock,
-                           (Path(tls.cert_file), Path(tls.key_file)) if tls else None)
+        stop, serving = _http_server(config.listen, server.asgi, sock,
+                                     (Path(tls.cert_file), Path(tls.key_file)) if tls else None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, http.stop)
-        log.info("serving on %s://%s", "https" if tls else "http", where)
+            loop.add_signal_handler(sig, stop)
+        log.info("serving on %s://%s (%s)", "https" if tls else "http", where,
+                 config.listen.server)
         _tune_gc()
         if agents is not None:
             await agents.start()
         try:
-            task = asyncio.create_task(http.serve(sockets=[sock]))
+            task = asyncio.create_task(serving)
             if ready is not None:
                 ready.set()
             await task
@@ -98,6 +103,20 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
                 await agents.stop()
     finally:
         await store.close()
+
+
+def _http_server(listen: Listen, app: ASGIApp, sock: socket.socket,
+                 tls: tuple[Path, Path] | None) -> tuple[Callable[[], None], Coroutine]:
+    """The HTTP server ``listen.server`` names, for ``app`` on ``sock``: its stop (the
+    first finishes requests in flight, a second ends them) and its run."""
+    if listen.server == "granian":
+        # Only here: a server on uvicorn never loads granian.
+        from llmgw.server.serve_granian import GranianServer
+
+        granian = GranianServer(app, sock, tls)
+        return granian.stop, granian.serve()
+    http = make_server(app, sock, tls)
+    return http.stop, http.serve(sockets=[sock])
 
 
 def _tune_gc() -> None:

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ import httpx  # test-side only: a plain blocking client for polling; never on ll
 import psutil
 import yaml
 
+from llmgw import pki
 from llmgw.agent.runtime import SystemdRuntime
 from llmgw.server.auth import create_api_key
 from llmgw.store import open_store, sqlite_url
+from llmgw.store.pki import NodeCertRecord
 
 
 def free_port() -> int:
@@ -185,11 +188,13 @@ class Cluster:
     admin_token: str = ""
     # The server's listen address; a non-loopback one keeps auth.require_api_key on.
     listen_host: str = "127.0.0.1"
+    # listen.server: the HTTP server it runs on.
+    http_server: str = "uvicorn"
 
     @property
     def base_url(self) -> str:
         host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if 'tls' in self.server_overrides else 'http'}://{host}:{self.port}"
 
     @property
     def server_state(self) -> Path:
@@ -202,7 +207,7 @@ class Cluster:
 
     def write_server_config(self) -> Path:
         config = {
-            "listen": {"host": self.listen_host, "port": self.port,
+            "listen": {"host": self.listen_host, "port": self.port, "server": self.http_server,
                        **({"allow_plain_http": True} if self.plain_off_loopback else {})},
             "state_dir": str(self.server_state),
             "nodes": {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3,
@@ -337,3 +342,63 @@ def process_alive(pid: int, started_at: float) -> bool:
                 and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
+
+
+@dataclass
+class ClusterCa:
+    """A cluster CA made in ``root``, as ``llmgw server init`` makes one: the server's
+    certificate for 127.0.0.1, and node certificates as ``llmgw agent join`` gets them.
+    A cluster whose server_overrides hold ``server_tls()`` serves https (base_url); its
+    test process trusts ``ca_file`` when SSL_CERT_FILE names it (httpx reads it)."""
+
+    root: Path
+    key: pki.PrivateKey
+    pem: bytes
+
+    @classmethod
+    def make(cls, root: Path) -> ClusterCa:
+        root.mkdir(parents=True)
+        key, pem = pki.create_ca()
+        ca = cls(root, key, pem)
+        ca.ca_file.write_bytes(pem)
+        (root / "ca.key").write_bytes(pki.key_pem(key))
+        (root / "ca.key").chmod(0o600)
+        return ca
+
+    @property
+    def ca_file(self) -> Path:
+        return self.root / "ca.pem"
+
+    def server_tls(self, agent_port: int) -> dict:
+        """server.yaml's tls block: the API over https, the agents' mTLS on agent_port."""
+        key_pem, cert_pem = pki.issue_server_cert(self.key, self.pem, ["127.0.0.1"])
+        (self.root / "server.key").write_bytes(key_pem)
+        (self.root / "server.key").chmod(0o600)
+        (self.root / "server.pem").write_bytes(cert_pem)
+        return {"ca_file": str(self.ca_file), "ca_key_file": str(self.root / "ca.key"),
+                "cert_file": str(self.root / "server.pem"),
+                "key_file": str(self.root / "server.key"),
+                "agent_listen": {"host": "127.0.0.1", "port": agent_port}}
+
+    def node_tls(self, node: str, store_db: Path) -> dict:
+        """agent.yaml's tls block for ``node``: a certificate issued and recorded in the
+        server's store (``store_db``), as a join would."""
+        key = pki.new_key()
+        issued = pki.sign_node_csr(self.key, self.pem, pki.make_csr(key, node), node,
+                                   timedelta(days=1))
+        (self.root / f"{node}.key").write_bytes(pki.key_pem(key))
+        (self.root / f"{node}.key").chmod(0o600)
+        (self.root / f"{node}.pem").write_bytes(issued.cert_pem)
+        asyncio.run(_record_node_cert(store_db, NodeCertRecord(
+            serial=str(issued.serial), node=node, not_before=issued.not_before,
+            not_after=issued.not_after)))
+        return {"ca_file": str(self.ca_file), "cert_file": str(self.root / f"{node}.pem"),
+                "key_file": str(self.root / f"{node}.key")}
+
+
+async def _record_node_cert(store_db: Path, record: NodeCertRecord) -> None:
+    store = await open_store(sqlite_url(store_db))
+    try:
+        await store.add_node_cert(record)
+    finally:
+        await store.close()

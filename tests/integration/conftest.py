@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.install import pypi
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, ClusterCa, free_port
 
 SIM_SMALL = {"name": "sim-small", "profiles": [{"engine": "sim"}], "replicas": 1}
 
@@ -28,8 +28,9 @@ def make_cluster(tmp_path, request):
     processes' logs are printed when the test failed."""
     made: list[Cluster] = []
 
-    def make(models=None, **overrides) -> Cluster:
-        cluster = Cluster(tmp_path / f"c{len(made)}", models or [SIM_SMALL], overrides)
+    def make(models=None, http_server: str = "uvicorn", **overrides) -> Cluster:
+        cluster = Cluster(tmp_path / f"c{len(made)}", models or [SIM_SMALL], overrides,
+                          http_server=http_server)
         cluster.root.mkdir(parents=True)
         made.append(cluster)
         return cluster
@@ -44,25 +45,38 @@ def make_cluster(tmp_path, request):
 
 @contextlib.contextmanager
 def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[dict],
-                     overrides: dict | None = None) -> Iterator[Cluster]:
-    """A server and one agent (node-a) with ``models`` ready, for a module's tests: stopped
-    afterwards, its processes' logs printed when it would not start or a test failed."""
-    c = Cluster(root, models, overrides or {})
-    c.root.mkdir(parents=True, exist_ok=True)
-    failed_before = request.session.testsfailed
-    try:
-        c.start_server()
-        c.add_agent("node-a")
-        for model in models:
-            c.wait_ready(model["name"])
-    except BaseException:
-        print(c.logs())
+                     overrides: dict | None = None, http_server: str = "uvicorn",
+                     ca: ClusterCa | None = None) -> Iterator[Cluster]:
+    """A server (on ``http_server``) and one agent (node-a) with ``models`` ready, for a
+    module's tests: stopped afterwards, its processes' logs printed when it would not start
+    or a test failed. With ``ca``, the server has a tls block (the API over https, trusted
+    by this process meanwhile) and node-a a certificate for the mTLS listener."""
+    overrides = dict(overrides or {})
+    agent: dict = {}
+    with pytest.MonkeyPatch.context() as patch:
+        if ca is not None:
+            agent_port = free_port()
+            overrides["tls"] = ca.server_tls(agent_port)
+            agent["servers"] = [f"https://127.0.0.1:{agent_port}"]
+            patch.setenv("SSL_CERT_FILE", str(ca.ca_file))
+        c = Cluster(root, models, overrides, http_server=http_server)
+        c.root.mkdir(parents=True, exist_ok=True)
+        failed_before = request.session.testsfailed
+        try:
+            c.start_server()
+            if ca is not None:
+                agent["tls"] = ca.node_tls("node-a", c.server_state / "llmgw.db")
+            c.add_agent("node-a", **agent)
+            for model in models:
+                c.wait_ready(model["name"])
+        except BaseException:
+            print(c.logs())
+            c.stop()
+            raise
+        yield c
+        if request.session.testsfailed > failed_before:
+            print(c.logs())
         c.stop()
-        raise
-    yield c
-    if request.session.testsfailed > failed_before:
-        print(c.logs())
-    c.stop()
 
 
 @pytest.hookimpl(hookwrapper=True)

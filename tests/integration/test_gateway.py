@@ -1,6 +1,8 @@
 """The gateway's edges, through real processes: endpoints it has never heard of, engines
 that stop answering, and clients that leave. Traffic goes through the official `openai`
-client where it has a call for it."""
+client where it has a call for it. The contract's tests (``@on_every_server``) run on each
+HTTP server llmgw runs (``listen.server``): on granian the gateway has no BodyWriter and
+no callback path, and learns of a client leaving through ASGI alone."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import openai
 import psutil
 import pytest
 
+from llmgw.config import HTTP_SERVERS
 from tests.integration.cluster import wait_for
 
 SLOW = {"name": "sim-slow", "replicas": 1, "profiles": [
@@ -27,8 +30,18 @@ HESITANT = {"name": "sim-hesitant", "replicas": 1, "profiles": [
 
 
 @pytest.fixture
-def cluster(make_cluster):
-    c = make_cluster(models=[SLOW], gateway={
+def http_server() -> str:
+    """listen.server of the tests' clusters; the gateway's contract tests run under each
+    (``@on_every_server``)."""
+    return "uvicorn"
+
+
+on_every_server = pytest.mark.parametrize("http_server", HTTP_SERVERS)
+
+
+@pytest.fixture
+def cluster(make_cluster, http_server):
+    c = make_cluster(models=[SLOW], http_server=http_server, gateway={
         "connect_timeout_s": 2, "first_byte_timeout_s": 3, "idle_timeout_s": 1.5})
     c.start_server()
     c.add_agent("node-a")
@@ -37,10 +50,10 @@ def cluster(make_cluster):
 
 
 @pytest.fixture
-def hesitant_cluster(make_cluster):
+def hesitant_cluster(make_cluster, http_server):
     # The gateway's default limits: none of them ends a stream the client still holds,
     # which would free the engine whether or not llmgw saw the client leave.
-    c = make_cluster(models=[HESITANT])
+    c = make_cluster(models=[HESITANT], http_server=http_server)
     c.start_server()
     c.add_agent("node-a")
     c.wait_ready("sim-hesitant")
@@ -74,6 +87,7 @@ def _gateway_connections_to(c, port: int) -> list:
             and conn.status == psutil.CONN_ESTABLISHED]
 
 
+@on_every_server
 def test_an_endpoint_llmgw_does_not_know_is_forwarded_by_its_model(cluster):
     client = _client(cluster)
     ranked = client.post("/rerank", cast_to=object, body={
@@ -121,6 +135,7 @@ def test_an_audio_upload_goes_to_the_model_its_form_names(cluster):
     assert "not valid" in broken.json()["error"]["message"]
 
 
+@on_every_server
 def test_a_client_leaving_mid_stream_frees_the_engine_within_a_second(cluster):
     _, port = _engine(cluster)
     with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", timeout=10,
@@ -136,6 +151,7 @@ def test_a_client_leaving_mid_stream_frees_the_engine_within_a_second(cluster):
     wait_for(lambda: _gateway_in_flight(cluster) == 0, 1.0, "the gateway's count to drop")
 
 
+@on_every_server
 def test_a_client_leaving_before_the_first_token_frees_the_engine(cluster):
     _, port = _engine(cluster)
     body = json.dumps({"model": "sim-slow", "max_tokens": 200,
@@ -168,6 +184,7 @@ def _leave_a_stream_before_its_first_token(c, port: int) -> None:
     assert time.monotonic() - asked < 10
 
 
+@on_every_server
 def test_a_client_leaving_a_stream_before_its_first_token_frees_the_engine_within_a_second(
         hesitant_cluster):
     c = hesitant_cluster
@@ -185,6 +202,7 @@ def test_a_client_leaving_a_stream_before_its_first_token_frees_the_engine_withi
     wait_for(lambda: _gateway_in_flight(c) == 0, 1.0, "the gateway's count to drop")
 
 
+@on_every_server
 def test_a_half_open_engine_ends_the_stream_with_an_error_event(cluster):
     pid, port = _engine(cluster)
     client = _client(cluster)

@@ -1,5 +1,6 @@
 """Every /v1 endpoint through the official `openai` client, sync and async, streamed and
-not, against one real cluster with the sim engine."""
+not, against one real cluster with the sim engine: on each HTTP server llmgw runs
+(``listen.server``), over plain HTTP and over https."""
 
 from __future__ import annotations
 
@@ -8,22 +9,24 @@ import hashlib
 import openai
 import pytest
 
+from llmgw.config import HTTP_SERVERS
+from tests.integration.cluster import ClusterCa
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
+
 MODEL = "sim-small"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from tests.integration.cluster import Cluster
-    from tests.integration.conftest import SIM_SMALL
-
-    c = Cluster(tmp_path_factory.mktemp("openai-client"), [SIM_SMALL])
-    try:
-        c.start_server()
-        c.add_agent("node-a")
-        c.wait_ready(MODEL)
+@pytest.fixture(scope="module",
+                params=[*HTTP_SERVERS, *(f"{server}+tls" for server in HTTP_SERVERS)])
+def cluster(tmp_path_factory, request):
+    server, _, tls = request.param.partition("+")
+    root = tmp_path_factory.mktemp(f"openai-client-{server}-{tls or 'plain'}")
+    ca = ClusterCa.make(root / "ca") if tls else None
+    with one_node_cluster(root / "cluster", request, [SIM_SMALL], http_server=server,
+                          ca=ca) as c:
+        # The server runs on the one named, as its first log line of serving says.
+        c.server_log_line("serving on", f"({server})")
         yield c
-    finally:
-        c.stop()
 
 
 def _sync(c) -> openai.OpenAI:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw.config import Listen
+from llmgw.config import HTTP_SERVERS, Listen
 from llmgw.server.listen import ListenError, check_matches, inherited_listener
 from tests.integration.cluster import _stop_group, free_port, wait_for
 
@@ -45,10 +45,10 @@ def _listener(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-def _write_config(root: Path, port: int) -> Path:
+def _write_config(root: Path, port: int, http_server: str = "uvicorn") -> Path:
     path = root / "server.yaml"
     path.write_text(yaml.safe_dump({
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": "127.0.0.1", "port": port, "server": http_server},
         "state_dir": str(root / "state"),
         "log_level": "info",
     }))
@@ -106,18 +106,19 @@ class _Client:
         return sum(1 for _, end, outcome in self.results if end > t and outcome == 200)
 
 
-def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path):
+@pytest.mark.parametrize("http_server", HTTP_SERVERS)
+def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_server):
     sock = _listener()
     port = sock.getsockname()[1]
-    config = _write_config(tmp_path, port)
+    config = _write_config(tmp_path, port, http_server)
     logs = [tmp_path / "server-1.log", tmp_path / "server-2.log"]
     first = second = None
     client = _Client(port)
     thread = threading.Thread(target=client.run, daemon=True)
     try:
         first = _start_activated(sock, config, logs[0])
-        wait_for(lambda: "socket passed by systemd" in logs[0].read_text(), 60,
-                 "the first server to serve on the passed socket")
+        wait_for(lambda: f"socket passed by systemd) ({http_server})" in logs[0].read_text(),
+                 60, f"the first server to serve on the passed socket, on {http_server}")
         thread.start()
         wait_for(lambda: client.answered_after(0) >= 10, 30, "10 answers from the first server")
 

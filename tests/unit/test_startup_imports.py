@@ -32,3 +32,8 @@ def test_a_server_without_tls_does_not_load_the_mtls_listener():
     # `llmgw up`) never starts it, and importing it cost 0.27 s of CPU at every start.
     assert _loaded("import llmgw.server.run",
                    ("aiohttp", "llmgw.server.agents.mtls")) == []
+
+
+def test_a_server_on_uvicorn_does_not_load_granian():
+    # granian is imported only when listen.server asks for it.
+    assert _loaded("import llmgw.server.run", ("granian", "llmgw.server.serve_granian")) == []
