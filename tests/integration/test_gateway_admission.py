@@ -91,10 +91,11 @@ async def test_the_task_path_waits_in_the_queue_for_the_slot_the_decision_waited
     assert type(held) is Lease
     waiting = asyncio.ensure_future(admit(state, _ask()))
     for _ in range(100):  # until the task has run up to its wait, a few steps of the loop
-        if state.router.queue_length(MODEL):
+        if state.router.queue_lengths().get(MODEL, 0):
             break
         await asyncio.sleep(0)
-    assert state.router.queue_length(MODEL) == 1 and not waiting.done()  # queued, not refused
+    # Queued, not refused.
+    assert state.router.queue_lengths().get(MODEL, 0) == 1 and not waiting.done()
     held.release()
     lease = await asyncio.wait_for(waiting, 5)
     assert lease.replica == "r0"

@@ -42,7 +42,7 @@ from llmgw.server.auth.sessions import (
 from llmgw.server.errors import ApiError, refusals
 from llmgw.store import AccountRecord, InviteRecord, InviteUnusable, Store, UsernameTaken
 
-SIGNUP_MODES = ("open", "invite", "closed")
+SignupMode = Literal["open", "invite", "closed"]
 Role = Literal["admin", "user"]
 # Bounded: an argon2 input of megabytes would be work for nothing.
 Password = Annotated[str, msgspec.Meta(min_length=10, max_length=1024)]
@@ -91,7 +91,7 @@ NO_CHANGE = UserChange()
 
 
 class Settings(Input):
-    signup: Literal["open", "invite", "closed"]
+    signup: SignupMode
 
 
 # --- what the handlers answer ----------------------------------------------------------------

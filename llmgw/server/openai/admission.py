@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -39,20 +38,27 @@ if TYPE_CHECKING:
 _LONGEST_NAME = 256
 
 
-@dataclass(slots=True, eq=False)
 class GatewayContext:
     """What the ``/v1`` routes use of the server, as plain attributes. (Litestar's State
     answers each attribute through a ``__getattr__`` in Python, 0.33 µs; a request asked
-    it nine times.) In the app's state as ``gateway``."""
+    it nine times.) In the app's state as ``gateway``. A plain class, not a dataclass: a
+    handler that takes it as a dependency gets it as it is, not converted field by
+    field."""
 
-    config: ServerConfig
-    controller: Controller
-    router: Router
-    store: Store
-    metrics: Metrics
-    usage: UsageRecorder
-    api_keys: KeyCache
-    upstream: Pool | None = None  # made in the app's lifespan, on its event loop
+    __slots__ = ("api_keys", "config", "controller", "metrics", "router", "store",
+                 "upstream", "usage")
+
+    def __init__(self, *, config: ServerConfig, controller: Controller, router: Router,
+                 store: Store, metrics: Metrics, usage: UsageRecorder, api_keys: KeyCache,
+                 upstream: Pool | None = None) -> None:
+        self.config = config
+        self.controller = controller
+        self.router = router
+        self.store = store
+        self.metrics = metrics
+        self.usage = usage
+        self.api_keys = api_keys
+        self.upstream = upstream  # made in the app's lifespan, on its event loop
 
 
 class Head(msgspec.Struct):

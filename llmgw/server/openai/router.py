@@ -282,16 +282,9 @@ class Router:
         finally:
             pool.waiters.pop(waiter, None)
 
-    def queue_length(self, model: str) -> int:
-        pool = self._pools.get(model)
-        return len(pool.waiters) if pool is not None else 0
-
     def queue_lengths(self) -> dict[str, int]:
         """Per model with replicas, the requests waiting for a slot (a gauge)."""
         return {model: len(pool.waiters) for model, pool in self._pools.items()}
-
-    def queue_total(self) -> int:
-        return sum(len(pool.waiters) for pool in self._pools.values())
 
     def in_flight(self) -> dict[str, int]:
         """Requests each ready replica is serving (the controller reads it as load)."""

@@ -13,6 +13,7 @@ import multipart
 from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from llmgw.server.dependencies import from_states
 from llmgw.server.errors import ApiError
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.admission import (
@@ -431,17 +432,16 @@ async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None
     await _litestar_route(scope, receive, send, path.split("?", 1)[0])
 
 
-@get("/v1/models")
-async def list_models(request: Request) -> dict:
-    record = await authorize(request.app.state.gateway, request.headers.get("authorization"))
+@get("/v1/models", dependencies=from_states("gateway", "started_at"))
+async def list_models(request: Request, gateway: GatewayContext, started_at: float) -> dict:
+    record = await authorize(gateway, request.headers.get("authorization"))
     allowed = record.allowed_models if record else None
-    catalog = request.app.state.controller.catalog
-    created = int(request.app.state.started_at)
+    created = int(started_at)
     return {
         "object": "list",
         "data": [
             {"id": m.name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for m in catalog.models
+            for m in gateway.controller.catalog.models
             if allowed is None or m.name in allowed
         ],
     }
