@@ -37,14 +37,15 @@ from llmgw.server.agents.stream import agent_stream
 from llmgw.server.auth import KeyCache, guards
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
-from llmgw.server.errors import ApiError, error_response
+from llmgw.server.dependencies import from_states
+from llmgw.server.errors import ApiError, error_response, store_refusal
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai import spec
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from llmgw.server.openai.usage import UsageRecorder
-from llmgw.store import Store, StoreError
+from llmgw.store import Store, StoreError, StoreSchemaMissing, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,21 @@ class Server:
 
 
 class Health(msgspec.Struct):
+    # "ok", or "degraded" while the store does not answer (routes known serve on).
     status: str
     # The server's clock (Unix time): an agent's doctor measures its skew against it.
     time: float
+    # "ok", "unreachable" or "schema missing": as the store last answered, not asked anew.
+    store: str = "ok"
 
 
-@get("/healthz")
-async def healthz() -> Health:
-    return Health("ok", time.time())
+@get("/healthz", dependencies=from_states("store"))
+async def healthz(store: Store) -> Health:
+    outage = store.outage
+    if outage is None:
+        return Health("ok", time.time())
+    return Health("degraded", time.time(),
+                  "schema missing" if isinstance(outage, StoreSchemaMissing) else "unreachable")
 
 
 # The whole API, /v1 and /api, described for OpenAPI clients and tools: the shapes of
@@ -107,6 +115,11 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     elif status == 405:
         message = f"{request.url.path} does not take {request.method}"
     return error_response(status, message, headers=getattr(exc, "headers", None))
+
+
+def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
+    # Not logged here: the store logs an outage once, when it starts.
+    return store_refusal(exc).response()
 
 
 def _unexpected(request: Request, exc: Exception) -> Response:
@@ -216,6 +229,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
+            StoreUnavailable: _store_unavailable,
             Exception: _unexpected,
         },
         # Bodies are forwarded to engines; prompts with images can be large, but bounded.

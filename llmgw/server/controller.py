@@ -36,7 +36,7 @@ from llmgw.core.replicas import (
     new_replica,
 )
 from llmgw.server.agents.sessions import NodeSession, NodeSessions
-from llmgw.store import NodeRecord, Store
+from llmgw.store import NodeRecord, Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class Controller:
         while True:
             try:
                 await self.pass_once()
+            except StoreUnavailable:
+                pass  # the store logged the outage; the next pass tries again
             except Exception:
                 log.exception("reconcile pass failed; the next pass will try again")
             self._wake.clear()

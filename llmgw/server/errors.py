@@ -10,6 +10,8 @@ import msgspec
 from litestar import Response
 from litestar.openapi import ResponseSpec
 
+from llmgw.store import StoreSchemaMissing, StoreUnavailable
+
 
 class ErrorBody(msgspec.Struct):
     message: str
@@ -106,3 +108,15 @@ class ApiError(Exception):
     def response(self) -> Response:
         return error_response(self.status, self.message, code=self.code, param=self.param,
                               headers=self.headers)
+
+
+def store_refusal(err: StoreUnavailable) -> ApiError:
+    """The 503 of a request that needed the store while it did not answer. The client is
+    told no more than that (the store's address is the operator's business: the server
+    logs it once per outage)."""
+    if isinstance(err, StoreSchemaMissing):
+        return ApiError(503, "the control plane's store has lost its tables; an operator "
+                        "must restore it (the server's log says how)",
+                        code="store_schema_missing", headers={"retry-after": "30"})
+    return ApiError(503, "the control plane's store is not answering; try again shortly",
+                    code="store_unavailable", headers={"retry-after": "5"})

@@ -24,6 +24,15 @@ class StoreError(Exception):
     """The store refused or failed; the message says what was wrong and what to do."""
 
 
+class StoreUnavailable(StoreError):
+    """The store did not answer (unreachable, refusing connections, gone): nothing was
+    read or written. The server answers what needs the store 503 until it answers again."""
+
+
+class StoreSchemaMissing(StoreUnavailable):
+    """The store answers but holds no llmgw tables: it was emptied or made again."""
+
+
 class UsernameTaken(StoreError):
     """`add_account`: an account with this username exists already."""
 

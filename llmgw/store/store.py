@@ -13,7 +13,9 @@ upserts are INSERT ... ON CONFLICT, the epoch is an upsert with RETURNING.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -23,7 +25,14 @@ from typing import Any
 from sqlalchemy import delete, event, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, StatementError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    StatementError,
+)
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -36,7 +45,14 @@ from llmgw.core.usage import check_limit
 from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
 from llmgw.store.pki import PkiMixin
-from llmgw.store.records import ApiKeyRecord, NodeRecord, StoredModel, StoreError
+from llmgw.store.records import (
+    ApiKeyRecord,
+    NodeRecord,
+    StoredModel,
+    StoreError,
+    StoreSchemaMissing,
+    StoreUnavailable,
+)
 from llmgw.store.tables import (
     AccountRow,
     ApiKeyRow,
@@ -137,11 +153,39 @@ def _sqlite_on_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
+# PostgreSQL's SQLSTATEs that mean the database is not there to answer, beside the
+# connection classes 08 (connection exception) and 57 (operator intervention: shut down,
+# terminated): 3D000 it does not exist, 55000 with ALLOW_CONNECTIONS false (among other
+# things, all from the connect), 53300 too many connections.
+_UNAVAILABLE_STATES = frozenset({"3D000", "55000", "53300"})
+_UNDEFINED_TABLE = "42P01"
+
+
+def _outage_kind(exc: BaseException) -> type[StoreUnavailable] | None:
+    """Whether a driver failure means the store did not answer (or answered without its
+    tables), rather than refusing what was asked of it."""
+    if isinstance(exc, OSError | TimeoutError):
+        return StoreUnavailable
+    if not isinstance(exc, DBAPIError):
+        return None
+    state = getattr(exc.orig, "sqlstate", None) or ""
+    if state == _UNDEFINED_TABLE or "no such table" in str(exc.orig):
+        return StoreSchemaMissing
+    if (exc.connection_invalidated or state[:2] in ("08", "57")
+            or state in _UNAVAILABLE_STATES):
+        return StoreUnavailable
+    if not state and isinstance(exc, OperationalError | InterfaceError):
+        return StoreUnavailable  # SQLite's: the file cannot be opened, or I/O failed
+    return None
+
+
 def _words(exc: BaseException) -> str:
     """The driver's own message, without SQLAlchemy's wrapping and links."""
     inner = getattr(exc, "orig", None) or exc
     return str(inner).strip() or type(inner).__name__
 
+
+log = logging.getLogger(__name__)
 
 # Prefixes per query of find_api_keys: well within either backend's bound parameters.
 _PREFIXES_PER_READ = 500
@@ -157,6 +201,10 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
         self._sessions = async_sessionmaker(engine, expire_on_commit=False)
         self._insert = postgresql.insert if self.backend == "postgresql" else sqlite.insert
         self._masked = engine.url.render_as_string(hide_password=True)
+        # When the store stopped answering (monotonic), None while it answers: one log
+        # line when an outage starts and one when it ends, not one per failed call.
+        self.down_since: float | None = None
+        self.outage: StoreUnavailable | None = None
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -175,6 +223,8 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
                 yield session
         except (StatementError, OSError) as exc:
             raise self._failed(exc) from exc
+        if self.down_since is not None:
+            self._answered()
 
     @asynccontextmanager
     async def _statement(self) -> AsyncIterator[AsyncSession | AsyncConnection]:
@@ -191,12 +241,35 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
                 yield conn
         except (StatementError, OSError) as exc:
             raise self._failed(exc) from exc
+        if self.down_since is not None:
+            self._answered()
 
     def _failed(self, exc: StatementError | OSError) -> StoreError:
         if (isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
                 and isinstance(exc.orig, ValueError)):
             return StoreError(str(exc.orig))  # a value we refused to bind
-        return StoreError(f"store at {self._masked} failed: {_words(exc)}")
+        kind = _outage_kind(exc)
+        if kind is None:
+            return StoreError(f"store at {self._masked} failed: {_words(exc)}")
+        if kind is StoreSchemaMissing:
+            err = StoreSchemaMissing(
+                f"the store at {self._masked} answers but has no llmgw tables "
+                f"({_words(exc)}): it was emptied or made again. Restore a backup "
+                "(`llmgw store restore`, docs/operations.md), or restart the server to "
+                "start again from an empty store")
+        else:
+            err = StoreUnavailable(f"the store at {self._masked} does not answer: "
+                                   f"{_words(exc)}")
+        if self.down_since is None or type(self.outage) is not kind:
+            log.warning("%s; what needs the store is answered 503 until it answers", err)
+            self.down_since = self.down_since or time.monotonic()
+        self.outage = err
+        return err
+
+    def _answered(self) -> None:
+        log.info("the store at %s answers again, after %.1f s", self._masked,
+                    time.monotonic() - self.down_since)
+        self.down_since = self.outage = None
 
     # models ------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from llmgw.store import ApiKeyRecord, Store, StoreError
+from llmgw.store import ApiKeyRecord, Store, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 # KeyCache.run's shortest period: a tiny auth.key_cache_s must not query in a loop.
@@ -337,7 +337,18 @@ class KeyCache:
             return
         generation = self._generation
         until = self._clock() + self._ttl_s  # from before the read: never trusted longer
-        found = await self._store.find_api_keys(wanted)
+        try:
+            found = await self._store.find_api_keys(wanted)
+        except StoreUnavailable:
+            # Nothing is revoked while the store does not answer: the keys in use keep
+            # its last answer, and are read again once it answers.
+            for prefix in wanted:
+                known = self._known.get(prefix)
+                if known is not None:
+                    self._known[prefix] = (known[0], until)
+                elif prefix in self._unknown:
+                    self._unknown[prefix] = until
+            raise
         if generation != self._generation:
             return  # a forget came meanwhile: what was read may be older than it
         by_id = {record.prefix: _known(record, enabled) for record, enabled in found}
@@ -353,6 +364,8 @@ class KeyCache:
             await asyncio.sleep(max(self._ttl_s / 2, _MIN_REFRESH_S))
             try:
                 await self.refresh()
+            except StoreUnavailable:
+                pass  # the store logged the outage; the keys in use were kept
             except Exception as err:  # the loop must outlive any one pass
                 # The keys in use then expire as they would without a refresh, and are
                 # read at their next use.

@@ -14,7 +14,7 @@ from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.server.dependencies import from_states
-from llmgw.server.errors import ApiError
+from llmgw.server.errors import ApiError, store_refusal
 from llmgw.server.metrics import endpoint_kind
 from llmgw.server.openai.admission import (
     Ask,
@@ -28,6 +28,7 @@ from llmgw.server.openai.admission import (
 from llmgw.server.openai.direct import REFUSED, Exchange
 from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
 from llmgw.server.openai.router import Lease
+from llmgw.store import StoreUnavailable
 from llmgw.transport.pool import JSON_TYPE, request_bytes
 from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
@@ -281,6 +282,13 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
         if not seen.status:
             await _send_error(send, err)
             seen.status = err.status
+    except StoreUnavailable as err:
+        # A key not read lately, or limits to count, while the store does not answer (it
+        # logged the outage once); requests that need neither go on.
+        if not seen.status:
+            refusal = store_refusal(err)
+            await _send_error(send, refusal)
+            seen.status = refusal.status
     except Exception:
         log.exception("unexpected error serving POST %s", path)
         if not seen.status:

@@ -16,7 +16,7 @@ import logging
 from datetime import UTC, datetime
 
 from llmgw.core.usage import Usage
-from llmgw.store import Store, StoreError, UsageEntry
+from llmgw.store import Store, StoreError, StoreUnavailable, UsageEntry
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,14 @@ class UsageRecorder:
                    for (key_id, model), (requests, prompt, completion) in pending.items()]
         try:
             await self._store.record_usages(entries, datetime.now(UTC))
+        except StoreUnavailable:
+            # Kept for the next flush, added to what comes meanwhile: one count per key and
+            # model however long the outage (the store logged it once).
+            for key, (requests, prompt, completion) in pending.items():
+                counts = self._pending.setdefault(key, [0, 0, 0])
+                counts[0] += requests
+                counts[1] += prompt
+                counts[2] += completion
         except StoreError as err:
             log.warning("could not record the usage of %d keys and models (%d requests): %s",
                         len(entries), sum(e.requests for e in entries), err)
