@@ -49,10 +49,14 @@ class Place:
 
 @dataclass(frozen=True, slots=True)
 class Reap:
-    """Stop whatever is left of a failed replica and forget it; counts as a failure."""
+    """Stop whatever is left of a failed replica and forget it. It counts as a failure
+    (the model's crash-loop backoff) when the replica itself failed (``crashed``), not when
+    a node it ran on was lost: that says nothing of the model, and it is placed again at
+    once."""
 
     replica: str
     reason: str
+    crashed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +101,18 @@ def usage_of(replicas: Iterable[Replica], held: bool = False) -> dict[str, NodeU
     return usage
 
 
-def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: Policy,
-              startup_timeout_s: float) -> str | None:
-    if replica.state is ReplicaState.FAILED:
-        return replica.reason or "failed"
+def _node_lost(replica: Replica, nodes: Mapping[str, Node]) -> str | None:
     for shard in replica.shards:
         node = nodes.get(shard.node_id)
         if node is None or node.state is NodeState.LOST:
             return f"node {shard.node_id} is lost"
+    return None
+
+
+def _why_reap(replica: Replica, nodes: Mapping[str, Node], now: float, policy: Policy,
+              startup_timeout_s: float) -> str | None:
+    if replica.state is ReplicaState.FAILED:
+        return replica.reason or "failed"
     if replica.missing_ranks() and now - replica.created_at >= policy.adoption_grace_s:
         missing = ", ".join(str(r) for r in replica.missing_ranks())
         return (
@@ -208,6 +216,11 @@ def plan(
         profile = model.profile(replica.profile) if model else None
         if model is None or profile is None:
             actions.append(Stop(replica.id, f"model {replica.model} is no longer declared"))
+            gone.add(replica.id)
+            continue
+        lost = _node_lost(replica, nodes_by_id)
+        if lost is not None:
+            actions.append(Reap(replica.id, lost, crashed=False))
             gone.add(replica.id)
             continue
         reason = _why_reap(replica, nodes_by_id, now, policy, profile.startup_timeout_s)

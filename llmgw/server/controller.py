@@ -156,9 +156,14 @@ class Controller:
             await self._place(action, now)
         elif isinstance(action, reconcile.Reap):
             replica = self.replicas.pop(action.replica)
-            log.warning("replica %s of %s failed: %s", replica.id, replica.model, action.reason)
-            self.backoffs[replica.model] = reconcile.after_failure(
-                self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
+            if action.crashed:
+                log.warning("replica %s of %s failed: %s", replica.id, replica.model,
+                            action.reason)
+                self.backoffs[replica.model] = reconcile.after_failure(
+                    self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
+            else:
+                log.warning("replica %s of %s is placed again: %s", replica.id,
+                            replica.model, action.reason)
             self._stop_shards(replica, action.reason, now)
         elif isinstance(action, reconcile.Evict):
             replica = self.replicas.pop(action.replica)

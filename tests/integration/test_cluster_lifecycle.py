@@ -161,9 +161,12 @@ def test_a_killed_agent_s_replica_moves_to_the_other_node(make_cluster, record_p
     move_s = time.monotonic() - killed_at
     assert move_s < MOVE_DEADLINE_S
     assert after["id"] != before["id"] and after["epoch"] > before["epoch"]
-    # The lost node's replica failed and was forgotten: one replica, the new one.
+    # The lost node's replica was forgotten: one replica, the new one, placed again as a
+    # move, not a crash: no crash-loop backoff before it.
     assert [r["id"] for r in cluster.replicas("sim-a")] == [after["id"]]
-    assert f"replica {before['id']} of sim-a failed: node {x} is lost" in server_log(cluster)
+    log = server_log(cluster)
+    assert f"replica {before['id']} of sim-a is placed again: node {x} is lost" in log
+    assert "restarting after" not in log and f"replica {before['id']} of sim-a failed" not in log
     assert ask(cluster)
 
     figure(record_property, "agent_killed_to_node_lost_s", lost_s)

@@ -235,7 +235,20 @@ def test_shard_on_a_lost_node_is_reaped_naming_the_node(nodes: str) -> None:
 
     result = plan(catalog(model(prof=SIM_2)), cluster, [pair], {}, NOW)
 
-    assert of_type(result, Reap) == [Reap("m-e1", "node node02 is lost")]
+    assert of_type(result, Reap) == [Reap("m-e1", "node node02 is lost", crashed=False)]
+
+
+def test_a_replica_off_a_lost_node_is_placed_again_at_once_without_a_backoff() -> None:
+    # Node loss is not an engine crash: no failure counted, no pass waited, and a backoff
+    # the model has from earlier crashes is not made longer.
+    moved = replica("m-e1", ("node02", (0,), 20000))
+    cluster = [h100_8x80g("node01"), h100_8x80g("node02", state=NodeState.LOST)]
+
+    result = plan(catalog(model()), cluster, [moved], {}, NOW)
+
+    assert of_type(result, Reap) == [Reap("m-e1", "node node02 is lost", crashed=False)]
+    [place] = of_type(result, Place)
+    assert {s.node_id for s in place.placement.shards} == {"node01"}
 
 
 def test_a_replica_on_an_unreachable_node_is_left_alone() -> None:
