@@ -36,7 +36,7 @@ from llmgw.core.replicas import (
     new_replica,
 )
 from llmgw.server.agents.sessions import NodeSession, NodeSessions
-from llmgw.store import NodeRecord, Store, StoreUnavailable
+from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,15 @@ class Controller:
             now = self.clock()
             for node_id, old, new in self.sessions.refresh(now):
                 log.info("node %s: %s -> %s", node_id, old.value, new.value)
-                await self.store.set_node_state(node_id, new.value, _utc(now))
+                try:
+                    await self.store.set_node_state(node_id, new.value, _utc(now))
+                except StoreUnavailable:
+                    raise
+                except StoreError as err:
+                    # One node the store does not have yet (its registration is still
+                    # being written, and writes the state with it): not a reason to drop
+                    # the whole pass for every other node.
+                    log.info("node %s: state not recorded: %s", node_id, err)
                 if new is NodeState.LOST and self.sessions.close(node_id):
                     # Its stream outlived the silence (a paused VM, a short partition): make
                     # it register again, so what it still runs is adopted afresh.

@@ -1,0 +1,51 @@
+"""The reconcile pass against a real store, on both backends: one node's failure to be
+recorded does not drop the pass for the others."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from llmgw import wire
+from llmgw.config import ServerConfig
+from llmgw.core import reconcile
+from llmgw.core.catalog import Catalog
+from llmgw.core.inventory import Timeouts
+from llmgw.server.agents.sessions import NodeSessions
+from llmgw.server.controller import Controller
+from llmgw.store import NodeRecord, Store
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _register(node_id: str) -> wire.Register:
+    return wire.Register(node_id=node_id, address="127.0.0.1",
+                         inventory=wire.Inventory(hostname=node_id))
+
+
+async def test_a_node_not_yet_in_the_store_does_not_drop_the_pass_for_the_others(
+        store: Store) -> None:
+    clock = Clock()
+    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
+    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
+                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    at = datetime.fromtimestamp(clock.now, UTC)
+    await store.put_node(NodeRecord(id="stored", address="127.0.0.1", state="ready",
+                                    inventory={}, registered_at=at, last_seen_at=at,
+                                    state_changed_at=at))
+    # "racing" registered on its stream, its store write not made yet (a reconnect storm).
+    sessions.attach(_register("stored"), clock.now)
+    sessions.attach(_register("racing"), clock.now)
+
+    clock.now += 4  # both silent past unreachable_after_s
+    await controller.pass_once()
+
+    [stored] = [n for n in await store.list_nodes() if n.id == "stored"]
+    assert stored.state == "unreachable"
+    assert {n.id: n.state.value for n in sessions.nodes()} == {
+        "stored": "unreachable", "racing": "unreachable"}
