@@ -258,6 +258,12 @@ class Controller:
         self.wake()
         return session, connection
 
+    def node_welcomed(self, node_id: str, now: float) -> None:
+        """The node was told it is welcome: its liveness clock starts now, since it sends
+        heartbeats only from here. (From its Register, a pass in progress and the store
+        write stood between; in a reconnect storm, long enough to call it unreachable.)"""
+        self.sessions.seen(node_id, now)
+
     async def inventory_changed(self, node_id: str, msg: wire.InventoryUpdate,
                                 now: float) -> None:
         """A node's inventory changed while connected (more RAM, an engine, weights)."""

@@ -49,3 +49,19 @@ async def test_a_node_not_yet_in_the_store_does_not_drop_the_pass_for_the_others
     assert stored.state == "unreachable"
     assert {n.id: n.state.value for n in sessions.nodes()} == {
         "stored": "unreachable", "racing": "unreachable"}
+
+
+async def test_a_node_is_timed_from_its_welcome_not_from_its_register(store: Store) -> None:
+    # A pass in progress and the store write can stand between a node's Register and its
+    # Welcome; it heartbeats only once welcomed.
+    clock = Clock()
+    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
+    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
+                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    registered_at = clock.now
+    await controller.node_registered(_register("slow"), registered_at)
+    clock.now += 2.5  # the Welcome went out late
+    controller.node_welcomed("slow", clock.now)
+    clock.now += 2  # 4.5 s after its Register, 2 s after its Welcome
+    await controller.pass_once()
+    assert {n.id: n.state.value for n in sessions.nodes()} == {"slow": "ready"}

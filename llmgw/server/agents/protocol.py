@@ -108,6 +108,7 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
     assert outbox is not None  # attach() gave this connection its own
     await socket.send_bytes(wire.encode(wire.Welcome(
         node_id=msg.node_id, heartbeat_interval_s=controller.heartbeat_interval_s)))
+    controller.node_welcomed(msg.node_id, time.time())
     sender = asyncio.create_task(_send_loop(socket, outbox))
     who = f"{msg.node_id} ({peer})"
     try:
