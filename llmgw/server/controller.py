@@ -247,7 +247,7 @@ class Controller:
                      msg.address, len(msg.running))
             self._log_inventory_change(msg, old_inventory)
             self._adopt(msg, now)
-            self.sessions.refresh(now)
+            self.sessions.refresh_node(msg.node_id, now)
             self.engines_sent.pop(msg.node_id, None)
             self._ask_for_engines(msg)
         await self.store.put_node(NodeRecord(

@@ -784,8 +784,9 @@ def test_a_replica_stopped_this_pass_keeps_its_room_until_the_next(
 @pytest.mark.parametrize(
     ("node02", "actions"),
     [
-        (h100_8x80g("node02", state=NodeState.LOST), [Reap("m-e1", "node node02 is lost")]),
-        (None, [Reap("m-e1", "node node02 is lost")]),
+        (h100_8x80g("node02", state=NodeState.LOST),
+         [Reap("m-e1", "node node02 is lost", crashed=False)]),
+        (None, [Reap("m-e1", "node node02 is lost", crashed=False)]),
         (h100_8x80g("node02", state=NodeState.UNREACHABLE), []),
         (h100_8x80g("node02", state=NodeState.REGISTERING), []),
     ],
@@ -798,10 +799,12 @@ def test_a_lost_node_reaps_its_replicas(node02: Node | None, actions: list) -> N
 
     result = plan(catalog(model("m"), model("n")), nodes, [on_lost, other], {}, NOW)
 
-    assert list(result.actions) == actions
-    if actions:
-        assert result.unplaced == {
-            "m": "a replica just failed; restarting after the backoff"}
+    assert [a for a in result.actions if isinstance(a, Reap)] == actions
+    # Moved, not crashed: placed again in the same pass, on the node that is left.
+    placed = [a for a in result.actions if isinstance(a, Place)]
+    assert [(p.placement.model, {s.node_id for s in p.placement.shards}) for p in placed] == (
+        [("m", {"node01"})] if actions else [])
+    assert result.unplaced == {}
 
 
 # --- partition heal and control-plane restart --------------------------------------------------

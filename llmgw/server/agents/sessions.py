@@ -113,13 +113,24 @@ class NodeSessions:
         """Recompute every node's state; returns the (node, old, new) that changed."""
         changes = []
         for session in self._sessions.values():
-            new = compute_state(session.live, now, self.timeouts)
-            if new is NodeState.LOST:
-                session.live.lost = True
-            if new is not session.state:
-                changes.append((session.node_id, session.state, new))
-                session.state = new
+            old = session.state
+            if self._restate(session, now) is not old:
+                changes.append((session.node_id, old, session.state))
         return changes
+
+    def refresh_node(self, node_id: str, now: float) -> None:
+        """Recompute one node's state (a registration: the others' did not change; in a
+        reconnect storm of N nodes, refreshing all N at each would cost N² in all)."""
+        session = self._sessions.get(node_id)
+        if session is not None:
+            self._restate(session, now)
+
+    def _restate(self, session: NodeSession, now: float) -> NodeState:
+        new = compute_state(session.live, now, self.timeouts)
+        if new is NodeState.LOST:
+            session.live.lost = True
+        session.state = new
+        return new
 
     def nodes(self) -> list[Node]:
         """Every known node as placement sees it (call ``refresh`` first)."""
