@@ -1,5 +1,6 @@
-"""The reconcile pass against a real store, on both backends: one node's failure to be
-recorded does not drop the pass for the others."""
+"""The controller's view of the nodes: its pass against a real store, on both backends
+(one node's failure to be recorded does not drop the pass for the others; a node is timed
+from its Welcome), and the node views the pass reads, made again only when they change."""
 
 from __future__ import annotations
 
@@ -65,3 +66,28 @@ async def test_a_node_is_timed_from_its_welcome_not_from_its_register(store: Sto
     clock.now += 2  # 4.5 s after its Register, 2 s after its Welcome
     await controller.pass_once()
     assert {n.id: n.state.value for n in sessions.nodes()} == {"slow": "ready"}
+
+
+def test_a_node_s_placement_view_is_made_again_only_when_what_it_reads_changed() -> None:
+    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
+    gpu = wire.Gpu(index=0, name="H100", memory_total_mib=81_559, memory_free_mib=81_000)
+    sessions.attach(wire.Register(node_id="b", address="10.0.0.2",
+                                  inventory=wire.Inventory(hostname="b", gpus=[gpu])), 0.0)
+    sessions.attach(_register("a"), 0.0)
+    first = sessions.nodes()
+    assert [n.id for n in first] == ["a", "b"]
+    # Nothing placement reads changed: the same views.
+    sessions.heartbeat("b", wire.Heartbeat(gpu_memory_free_mib=[81_000]), 1.0)
+    again = sessions.nodes()
+    sessions.heartbeat("b", wire.Heartbeat(gpu_memory_free_mib=[81_000]), 2.0)
+    assert sessions.nodes()[1] is again[1]
+    # Free memory, busy ports, the state and the inventory each make it again.
+    sessions.heartbeat("b", wire.Heartbeat(gpu_memory_free_mib=[40_000], ports_busy=[22]), 3.0)
+    [_, b] = sessions.nodes()
+    assert b.gpus[0].memory_free_mib == 40_000 and b.ports_busy == frozenset({22})
+    sessions.refresh(7.0)
+    assert sessions.nodes()[1].state.value == "unreachable"
+    sessions.update_inventory("b", wire.Inventory(hostname="b", gpus=[gpu], fabric="ib-a"), 7.5)
+    assert sessions.nodes()[1].fabric == "ib-a"
+    sessions.attach(_register("0"), 8.0)  # a new node joins the order
+    assert [n.id for n in sessions.nodes()] == ["0", "a", "b"]

@@ -29,12 +29,29 @@ class NodeSession:
     connection: int = 0
     state: NodeState = NodeState.REGISTERING
     last_heartbeat: wire.Heartbeat | None = field(default=None)
+    # The node as placement last saw it, and what it was made from: made again only when
+    # one of those changed, not every pass (5,000 nodes: 78 ms a pass, made whole).
+    view: Node | None = None
+    view_of: tuple = ()
+
+    def as_node(self) -> Node:
+        heartbeat = self.last_heartbeat
+        made_of = (self.register, self.state,
+                   *((heartbeat.gpu_memory_free_mib, heartbeat.ports_busy) if heartbeat
+                     else ()))
+        view = self.view
+        if view is None or made_of != self.view_of:
+            view = self.view = node_from_register(self.register, self.state,
+                                                  self.live.last_seen, heartbeat)
+            self.view_of = made_of
+        return view
 
 
 class NodeSessions:
     def __init__(self, timeouts: Timeouts):
         self.timeouts = timeouts
         self._sessions: dict[str, NodeSession] = {}
+        self._order: list[str] | None = []  # the node ids sorted; None once one is added
         self._connections = 0
         # Nodes an operator asked to drain, kept across reconnections (and, by the caller,
         # in the store across restarts).
@@ -51,6 +68,7 @@ class NodeSessions:
             session = NodeSession(msg.node_id, msg,
                                   NodeLiveness(last_seen=now, draining=draining), outbox)
             self._sessions[msg.node_id] = session
+            self._order = None
         else:
             if session.outbox is not None:
                 log.warning("%s connected again; closing its older stream", msg.node_id)
@@ -133,11 +151,12 @@ class NodeSessions:
         return new
 
     def nodes(self) -> list[Node]:
-        """Every known node as placement sees it (call ``refresh`` first)."""
-        return [
-            node_from_register(s.register, s.state, s.live.last_seen, s.last_heartbeat)
-            for s in sorted(self._sessions.values(), key=lambda s: s.node_id)
-        ]
+        """Every known node as placement sees it (call ``refresh`` first), by id. A node's
+        ``last_seen`` is as of when its view was last made: placement does not read it."""
+        if self._order is None:
+            self._order = sorted(self._sessions)
+        sessions = self._sessions
+        return [sessions[node_id].as_node() for node_id in self._order]
 
     def all(self) -> list[NodeSession]:
         return sorted(self._sessions.values(), key=lambda s: s.node_id)
