@@ -66,6 +66,8 @@ class Controller:
         self.unplaced: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._expected: set[str] = set()
+        # Nodes that registered while the store did not answer: written by the next pass.
+        self._unrecorded: set[str] = set()
         self._settle_until = 0.0
         self._listeners: list[Callable[[Controller], None]] = []
         self._lock = asyncio.Lock()
@@ -126,12 +128,17 @@ class Controller:
     async def pass_once(self) -> reconcile.Plan:
         async with self._lock:
             now = self.clock()
+            for node_id in sorted(self._unrecorded):  # seen during an outage
+                try:
+                    await self._record_node(node_id, now)
+                except StoreUnavailable:
+                    break  # still out: the pass goes on from memory
             for node_id, old, new in self.sessions.refresh(now):
                 log.info("node %s: %s -> %s", node_id, old.value, new.value)
                 try:
                     await self.store.set_node_state(node_id, new.value, _utc(now))
                 except StoreUnavailable:
-                    raise
+                    self._unrecorded.add(node_id)  # its state too, once the store answers
                 except StoreError as err:
                     # One node the store does not have yet (its registration is still
                     # being written, and writes the state with it): not a reason to drop
@@ -250,13 +257,24 @@ class Controller:
             self.sessions.refresh_node(msg.node_id, now)
             self.engines_sent.pop(msg.node_id, None)
             self._ask_for_engines(msg)
-        await self.store.put_node(NodeRecord(
-            id=msg.node_id, address=msg.address, state=session.state.value,
-            inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
-            last_seen_at=_utc(now)))
+        try:
+            await self._record_node(msg.node_id, now)
+        except StoreUnavailable:
+            # The node serves from memory meanwhile; a pass writes it once the store
+            # answers (the store logged the outage).
+            self._unrecorded.add(msg.node_id)
         self._changed()
         self.wake()
         return session, connection
+
+    async def _record_node(self, node_id: str, now: float) -> None:
+        session = self.sessions.get(node_id)
+        msg = session.register
+        await self.store.put_node(NodeRecord(
+            id=node_id, address=msg.address, state=session.state.value,
+            inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
+            last_seen_at=_utc(now)))
+        self._unrecorded.discard(node_id)
 
     def node_welcomed(self, node_id: str, now: float) -> None:
         """The node was told it is welcome: its liveness clock starts now, since it sends
@@ -274,12 +292,15 @@ class Controller:
         self.sessions.update_inventory(node_id, msg.inventory, now)
         self._log_inventory_change(self.sessions.get(node_id).register, old.inventory)
         self._ask_for_engines(self.sessions.get(node_id).register)
-        stored = await self.store.get_node(node_id)
-        await self.store.put_node(NodeRecord(
-            id=node_id, address=old.address, state=session.state.value,
-            inventory=_inventory_dict(msg.inventory),
-            registered_at=stored.registered_at if stored else _utc(now),
-            last_seen_at=_utc(now)))
+        try:
+            stored = await self.store.get_node(node_id)
+            await self.store.put_node(NodeRecord(
+                id=node_id, address=old.address, state=session.state.value,
+                inventory=_inventory_dict(msg.inventory),
+                registered_at=stored.registered_at if stored else _utc(now),
+                last_seen_at=_utc(now)))
+        except StoreUnavailable:
+            self._unrecorded.add(node_id)  # written by a pass once the store answers
         self._changed()
         self.wake()
 

@@ -91,3 +91,26 @@ def test_a_node_s_placement_view_is_made_again_only_when_what_it_reads_changed()
     assert sessions.nodes()[1].fabric == "ib-a"
     sessions.attach(_register("0"), 8.0)  # a new node joins the order
     assert [n.id for n in sessions.nodes()] == ["0", "a", "b"]
+
+
+async def test_a_node_registering_while_the_store_has_no_tables_is_welcomed_and_written_later(
+        store: Store) -> None:
+    from llmgw.store.tables import Base
+
+    clock = Clock()
+    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
+    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
+                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    async with store.engine.begin() as conn:
+        await conn.run_sync(Base.metadata.drop_all)
+    try:
+        session, _ = await controller.node_registered(_register("during"), clock.now)
+        assert session.node_id == "during"  # welcomed: it serves from memory
+        assert [n.id for n in sessions.nodes()] == ["during"]
+    finally:
+        async with store.engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+    assert await store.list_nodes() == []
+    clock.now += 4  # silent past unreachable_after_s, while the store answers again
+    await controller.pass_once()  # the node is written, with the state it has now
+    assert [(n.id, n.state) for n in await store.list_nodes()] == [("during", "unreachable")]
