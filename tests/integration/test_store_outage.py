@@ -3,8 +3,9 @@ real server, agent and sim engine, and the real PostgreSQL, whose database is cl
 connections (its sessions ended) and later dropped and made again.
 
 While the store does not answer, what needs no store goes on (a key read lately, a
-known route), what needs it is a 503 with Retry-After saying so, the server logs the
-outage once (no traceback per request), and it answers again without a restart."""
+known route, the nodes' liveness), what needs it is a 503 with Retry-After saying so, the
+server logs the outage once (no traceback per request), and it answers again without a
+restart."""
 
 from __future__ import annotations
 
@@ -82,15 +83,18 @@ def test_a_store_outage_refuses_only_what_needs_the_store_and_ends_without_a_res
     assert "store is not answering" in keys.json()["error"]["message"]
     assert name not in keys.text  # the store's address is the operator's, in the log
 
-    # A key in use goes on working past its cache time (2 s), and so does the route:
-    # requests paced over 5 s, at most 50.
-    answers = []
-    until = time.monotonic() + 5
-    while time.monotonic() < until and len(answers) < 50:
+    # A key in use goes on working past its cache time (2 s), and so does the route; and
+    # the node, whose heartbeats need no store, stays ready past lost_after_s (8 s):
+    # requests paced over 9 s, at most 80.
+    answers, states = [], set()
+    until = time.monotonic() + 9
+    while time.monotonic() < until and len(answers) < 80:
         answers.append(_chat(c, key).status_code)
         c.admin("GET", "/api/keys")  # more failures: still one log line
+        states.add(c.node_state("node-a"))
         time.sleep(0.1)  # pacing, so that the requests span the cache time
     assert set(answers) == {200}, answers
+    assert states == {"ready"}, states
     # A key the server never saw needs the store: 503, not 401 nor 500.
     unseen = _chat(c, new_api_key())
     assert unseen.status_code == 503, unseen.text
