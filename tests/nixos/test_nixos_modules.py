@@ -60,6 +60,8 @@ def systems(nix: Nix) -> dict[str, dict]:
         "agent-off": f"[ {AGENT} ]",
         "ipv6": f"""[ {SERVER} {{ services.llmgw.server = {{
             enable = true; settings.listen = {{ host = "::1"; port = 9000; }}; }}; }} ]""",
+        "granian": f"""[ {SERVER} {{ services.llmgw.server = {{
+            enable = true; settings.listen.server = "granian"; }}; }} ]""",
         "ipv6-any": f"""[ {SERVER} {{ services.llmgw.server = {{
             enable = true; openFirewall = true;
             settings.listen = {{ host = "::"; allow_plain_http = true; }}; }}; }} ]""",
@@ -171,6 +173,19 @@ def test_an_ipv6_listen_address(nix, systems, tmp_path):
     anywhere = Rendered(nix, systems["ipv6-any"])
     assert values(anywhere.units["llmgw-server.socket"], "Socket", "ListenStream") == ["[::]:8080"]
     assert systems["ipv6-any"]["firewall"]["allowedTCPPorts"] == [8080]
+
+
+def test_the_http_server_choice_reaches_server_yaml(nix, systems, tmp_path):
+    rendered = Rendered(nix, systems["granian"])
+    server = load_as_llmgw(rendered.yaml_of(rendered.script("llmgw-server.service")),
+                           ServerConfig, tmp_path, "server.yaml")
+    assert server.listen.server == "granian"
+    # On the socket the unit passes, as with uvicorn.
+    assert values(rendered.units["llmgw-server.socket"], "Socket", "ListenStream") == [
+        "127.0.0.1:8080"]
+    refused = failure(nix, f"""[ {SERVER} {{ services.llmgw.server = {{
+        enable = true; settings.listen.server = "gunicorn"; }}; }} ]""")
+    assert "is not of type" in refused and "granian" in refused, refused
 
 
 def test_secrets_reach_the_server_as_credentials(nix, tmp_path):
