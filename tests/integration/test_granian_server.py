@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from llmgw import pki
 from llmgw.config import Listen
 from llmgw.server.listen import listening_socket
 from llmgw.server.serve_granian import GranianServer, GranianStopped
@@ -70,16 +69,6 @@ async def _serving(app=None, tls: tuple[Path, Path] | None = None
             server.stop()
             server.stop()
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 15)
-
-
-@pytest.fixture
-def server_cert(tmp_path) -> tuple[Path, Path, Path]:
-    ca_key, ca_pem = pki.create_ca()
-    key_pem, cert_pem = pki.issue_server_cert(ca_key, ca_pem, ["127.0.0.1"])
-    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
-    for path, data in zip(paths, (ca_pem, cert_pem, key_pem), strict=True):
-        path.write_bytes(data)
-    return paths
 
 
 async def test_tls_13_is_served_and_tls_12_refused(server_cert):

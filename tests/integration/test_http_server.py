@@ -24,7 +24,6 @@ import uvicorn.server
 import yarl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from llmgw import pki
 from llmgw.config import Listen
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage, Usage
 from llmgw.server.listen import listening_socket
@@ -311,16 +310,6 @@ async def test_no_server_header_and_forwarded_for_is_not_trusted():
         seen = await resp.json()
     # The peer's address, not the header's: metrics and login throttling key on it.
     assert seen == {"client": "127.0.0.1", "scheme": "http"}
-
-
-@pytest.fixture
-def server_cert(tmp_path) -> tuple[Path, Path, Path]:
-    ca_key, ca_pem = pki.create_ca()
-    key_pem, cert_pem = pki.issue_server_cert(ca_key, ca_pem, ["127.0.0.1"])
-    paths = tmp_path / "ca.pem", tmp_path / "server.pem", tmp_path / "server.key"
-    for path, data in zip(paths, (ca_pem, cert_pem, key_pem), strict=True):
-        path.write_bytes(data)
-    return paths
 
 
 async def test_tls_13_is_served_and_tls_12_refused(server_cert):

@@ -9,31 +9,16 @@ restart."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import asyncpg
 import httpx
-import pytest
 
 from llmgw.server.auth.keys import key_id, new_api_key
 from tests.integration.cluster import wait_for
-from tests.pg import ADMIN_DSN, create_database, drop_database, postgres_unavailable, run_blocking
+from tests.pg import ADMIN_DSN, run_blocking
 
 MODEL = "sim-small"
-
-
-@pytest.fixture
-def database():
-    try:
-        url = run_blocking(create_database("llmgw_outage"))
-    except OSError as exc:
-        postgres_unavailable(exc)
-    name = url.rsplit("/", 1)[1]
-    yield url, name
-    with contextlib.suppress(asyncpg.InvalidCatalogNameError):
-        run_blocking(_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
-    run_blocking(drop_database(url))
 
 
 async def _admin(*statements: str) -> None:
@@ -61,8 +46,9 @@ def _chat(c, key: str) -> httpx.Response:
 
 
 def test_a_store_outage_refuses_only_what_needs_the_store_and_ends_without_a_restart(
-        make_cluster, database):
-    url, name = database
+        make_cluster, postgres_database):
+    url = postgres_database
+    name = url.rsplit("/", 1)[1]
     c = make_cluster(store={"url": url}, auth={"key_cache_s": 2.0})
     c.start_server()
     c.add_agent("node-a")

@@ -24,6 +24,14 @@ class Clock:
         return self.now
 
 
+def _controller(store: Store, clock: Clock) -> Controller:
+    """A controller with no models, nodes unreachable after 3 s and lost after 8 s."""
+    return Controller(Catalog(), store, NodeSessions(Timeouts(unreachable_after_s=3,
+                                                              lost_after_s=8)),
+                      reconcile.Policy(), interval_s=1, heartbeat_interval_s=1, clock=clock,
+                      settings=ServerConfig())
+
+
 def _register(node_id: str) -> wire.Register:
     return wire.Register(node_id=node_id, address="127.0.0.1",
                          inventory=wire.Inventory(hostname=node_id))
@@ -32,9 +40,8 @@ def _register(node_id: str) -> wire.Register:
 async def test_a_node_not_yet_in_the_store_does_not_drop_the_pass_for_the_others(
         store: Store) -> None:
     clock = Clock()
-    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
-    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
-                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    controller = _controller(store, clock)
+    sessions = controller.sessions
     at = datetime.fromtimestamp(clock.now, UTC)
     await store.put_node(NodeRecord(id="stored", address="127.0.0.1", state="ready",
                                     inventory={}, registered_at=at, last_seen_at=at,
@@ -56,9 +63,8 @@ async def test_a_node_is_timed_from_its_welcome_not_from_its_register(store: Sto
     # A pass in progress and the store write can stand between a node's Register and its
     # Welcome; it heartbeats only once welcomed.
     clock = Clock()
-    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
-    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
-                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    controller = _controller(store, clock)
+    sessions = controller.sessions
     registered_at = clock.now
     await controller.node_registered(_register("slow"), registered_at)
     clock.now += 2.5  # the Welcome went out late
@@ -98,9 +104,8 @@ async def test_a_node_registering_while_the_store_has_no_tables_is_welcomed_and_
     from llmgw.store.tables import Base
 
     clock = Clock()
-    sessions = NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8))
-    controller = Controller(Catalog(), store, sessions, reconcile.Policy(), interval_s=1,
-                            heartbeat_interval_s=1, clock=clock, settings=ServerConfig())
+    controller = _controller(store, clock)
+    sessions = controller.sessions
     async with store.engine.begin() as conn:
         await conn.run_sync(Base.metadata.drop_all)
     try:
