@@ -42,6 +42,7 @@ from llmgw.server.errors import ApiError, error_response, store_refusal
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai import spec
+from llmgw.server.openai.admission import GatewayContext
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from llmgw.server.openai.usage import UsageRecorder
@@ -55,7 +56,7 @@ class Server:
     app: Litestar
     controller: Controller
     router: Router
-    gateway: openai_routes.GatewayContext
+    gateway: GatewayContext
 
     @property
     def asgi(self) -> ASGIApp:
@@ -190,7 +191,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     hasher = PasswordHasher(auth.hash_slots, auth.argon2_memory_kib, auth.argon2_time_cost,
                             auth.argon2_parallelism)
 
-    gateway = openai_routes.GatewayContext(
+    gateway = GatewayContext(
         config=config, controller=controller, router=router, store=store, metrics=metrics,
         usage=usage, api_keys=KeyCache(store, auth.key_cache_s))
 
