@@ -91,6 +91,11 @@ class Controller(_Config):
     restart_backoff_reset_s: PositiveSeconds = 600.0
     # How long adopted shards of one replica may wait for their missing ranks to report.
     adoption_grace_s: PositiveSeconds = 30.0
+    # Several servers on one PostgreSQL: the leader's lease runs this long unless renewed
+    # (every quarter of it); a paused or cut-off leader is followed after about this long.
+    lease_s: Annotated[float, msgspec.Meta(ge=2, le=300)] = 10.0
+    # How often a server that does not lead reads the leader's replica table.
+    follow_interval_s: PositiveSeconds = 1.0
 
 
 class Sidecar(_Config):
@@ -251,6 +256,9 @@ class ServerConfig(_Config):
     auth: Auth = msgspec.field(default_factory=Auth)
     nodes: NodeTimeouts = msgspec.field(default_factory=NodeTimeouts)
     controller: Controller = msgspec.field(default_factory=Controller)
+    # This server's name among the cluster's servers (`ctl status`, the leader's lease);
+    # unique per server. Default: listen's host and port.
+    name: str | None = None
     models: list[Model] = []
     # Absent: no CA, no agent-stream mTLS listener, no node onboarding.
     tls: ServerTls | None = None

@@ -181,6 +181,9 @@ class Welcome(_Struct, tag="welcome", tag_field="type"):
     node_id: str
     heartbeat_interval_s: float = 3.0
     protocol: int = PROTOCOL_VERSION
+    # The leader's term (0: a server that does not elect one). The agent refuses
+    # commands from an older term: they come from a server that no longer leads.
+    term: int = 0
 
 
 class Sidecar(_Struct):
@@ -221,6 +224,7 @@ class StartShard(_Struct, tag="start_shard", tag_field="type"):
     rendezvous_port: int | None = None
     # "address:port" of every rank, by rank.
     peers: list[str] = []
+    term: int = 0  # the leader's term that sent it; see Welcome
 
 
 class StopShard(_Struct, tag="stop_shard", tag_field="type"):
@@ -228,6 +232,7 @@ class StopShard(_Struct, tag="stop_shard", tag_field="type"):
     rank: int
     epoch: int
     reason: str = ""
+    term: int = 0  # the leader's term that sent it; see Welcome
 
 
 class EngineWanted(_Struct):

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 STREAM_PATH = "/agent/v1/stream"
 # A session that lasted this long was healthy: the next failure starts the backoff over.
 _HEALTHY_SESSION_S = 10.0
+# With nothing heard from the server for this long, ping it; no pong within half as long
+# and the stream is given up. A server that is paused (SIGSTOP, a frozen VM) keeps its
+# socket open: without this its nodes would wait on it, not fail over to the others.
+_SERVER_SILENCE_S = 8.0
 # How often a connected agent looks at its certificate's remaining lifetime.
 _RENEW_CHECK_S = 300.0
 
@@ -150,6 +154,8 @@ class Agent:
         self._gpu_note = ""
         self._connected = False
         self._rng = random.Random()
+        # The highest leader term heard: a command from an older one is refused.
+        self._term = 0
         self.weights = WeightsStore.from_config(config.weights)
         # The inventory the control plane has: a probe that finds it changed sends it.
         self._inventory_sent: wire.Inventory | None = None
@@ -298,7 +304,7 @@ class Agent:
         context = client_context(tls) if tls is not None else None
         await asyncio.to_thread(self._route)
         inventory = await asyncio.to_thread(self.inventory)
-        async with http.ws_connect(url, heartbeat=None, max_msg_size=16 * 2**20,
+        async with http.ws_connect(url, heartbeat=_SERVER_SILENCE_S, max_msg_size=16 * 2**20,
                                    ssl=context if context is not None else True) as ws:
             # Queue reports from before the Register snapshot is taken, so that a shard
             # turning ready in between is reported after it, not lost.
@@ -310,7 +316,9 @@ class Agent:
             welcome = wire.decode_down(await self._receive(ws))
             if not isinstance(welcome, wire.Welcome):
                 raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
-            log.info("registered with %s as %s (%s)", server, self.node_id, self.address)
+            self._term = max(self._term, welcome.term)
+            log.info("registered with %s as %s (%s)%s", server, self.node_id, self.address,
+                     f", leader's term {welcome.term}" if welcome.term else "")
             tasks = [asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s)),
                      asyncio.create_task(self._probe_loop())]
             if tls is not None:
@@ -318,7 +326,13 @@ class Agent:
             try:
                 while True:
                     message = wire.decode_down(await self._receive(ws))
-                    if isinstance(message, wire.StartShard):
+                    if (isinstance(message, wire.StartShard | wire.StopShard)
+                            and message.term < self._term):
+                        log.warning("refusing to %s %s rank %d: sent in term %d, but the "
+                                    "leader's term is %d (a server that no longer leads)",
+                                    "start" if isinstance(message, wire.StartShard) else "stop",
+                                    message.replica, message.rank, message.term, self._term)
+                    elif isinstance(message, wire.StartShard):
                         self.supervisor.start(message)
                     elif isinstance(message, wire.StopShard):
                         self.supervisor.stop(message)

@@ -32,6 +32,12 @@ def adapter(engine: str) -> ModuleType:
     return found
 
 
+def health_path(engine: str) -> str:
+    """Where a serving rank 0 of ``engine`` answers 200 while it serves (the gateway's
+    own check): ``HEALTH_PATH`` where an adapter names one, else /health."""
+    return getattr(ADAPTERS.get(engine), "HEALTH_PATH", "/health")
+
+
 def render(engine: str, req: ShardRequest, node: NodeFacts) -> Launch:
     """The launch for one shard: the adapter's, plus the profile's own environment."""
     launch = adapter(engine).render(req, node)

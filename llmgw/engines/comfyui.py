@@ -19,6 +19,8 @@ from llmgw.engines.base import (
 )
 
 NAME = "comfyui"
+# ComfyUI has no /health; this answers 200 once it serves.
+HEALTH_PATH = "/system_stats"
 
 
 def python_for(main: str, node: NodeFacts) -> str:
@@ -38,7 +40,7 @@ def render(req: ShardRequest, node: NodeFacts) -> Launch:
     if not req.gpus:
         argv.append("--cpu")
     argv += req.args
-    return Launch(tuple(argv), gpu_env(req.gpus), port, health_path="/system_stats",
+    return Launch(tuple(argv), gpu_env(req.gpus), port, health_path=HEALTH_PATH,
                   description=f"comfyui {req.model}")
 
 

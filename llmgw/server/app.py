@@ -39,6 +39,7 @@ from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.dependencies import from_states
 from llmgw.server.errors import ApiError, error_response, store_refusal
+from llmgw.server.leadership import Leadership, server_name
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai import spec
@@ -46,6 +47,7 @@ from llmgw.server.openai.admission import GatewayContext
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
 from llmgw.server.openai.usage import UsageRecorder
+from llmgw.server.probe import EngineProbe
 from llmgw.store import Store, StoreError, StoreSchemaMissing, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class Server:
     controller: Controller
     router: Router
     gateway: GatewayContext
+    leadership: Leadership
 
     @property
     def asgi(self) -> ASGIApp:
@@ -71,15 +74,23 @@ class Health(msgspec.Struct):
     time: float
     # "ok", "unreachable" or "schema missing": as the store last answered, not asked anew.
     store: str = "ok"
+    # This server's name, whether it leads the cluster now, and who does as it last read.
+    server: str = ""
+    leader: bool = False
+    leader_name: str | None = None
 
 
-@get("/healthz", dependencies=from_states("store"))
-async def healthz(store: Store) -> Health:
+@get("/healthz", dependencies=from_states("store", "leadership"))
+async def healthz(store: Store, leadership: Leadership) -> Health:
     outage = store.outage
+    lease = leadership.leader
+    lead = dict(server=leadership.name, leader=leadership.leads(),
+                leader_name=lease.holder if lease is not None and lease.live else None)
     if outage is None:
-        return Health("ok", time.time())
+        return Health("ok", time.time(), **lead)
     return Health("degraded", time.time(),
-                  "schema missing" if isinstance(outage, StoreSchemaMissing) else "unreachable")
+                  "schema missing" if isinstance(outage, StoreSchemaMissing) else "unreachable",
+                  **lead)
 
 
 # The whole API, /v1 and /api, described for OpenAPI clients and tools: the shapes of
@@ -177,7 +188,19 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     controller = Controller(catalog, store, NodeSessions(timeouts), policy,
                             interval_s=config.controller.interval_s,
                             heartbeat_interval_s=config.nodes.heartbeat_interval_s,
-                            settings=config)
+                            settings=config,
+                            follow_interval_s=config.controller.follow_interval_s)
+    name = config.name or server_name(config.listen.host, config.listen.port)
+    leadership = Leadership(store, name, f"{config.listen.host}:{config.listen.port}",
+                            config.controller.lease_s)
+    leadership.on_lead(controller.took_lead)
+    leadership.on_deposed(controller.deposed)
+    leadership.on_servers(lambda _: controller.changed())
+    controller.leading = leadership.leads
+    controller.not_leading = lambda: (f"{name} does not lead the cluster; "
+                                      f"{leadership.describe_leader()}")
+    controller.servers = leadership.servers_up
+    probe = EngineProbe(controller)
     router = Router(queue_max=config.gateway.queue_max,
                     queue_wait_s=config.gateway.queue_wait_s,
                     epsilon=config.gateway.affinity_epsilon)
@@ -198,8 +221,13 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         gateway.upstream = upstream = upstream_pool(config.gateway)
-        await controller.load_draining()
-        tasks = [asyncio.create_task(controller.run(), name="controller"),
+        with contextlib.suppress(StoreUnavailable):  # the store logged it; runs from memory
+            await controller.load_draining()
+            await controller.load_table()
+        await leadership.start()
+        tasks = [asyncio.create_task(leadership.run(), name="leadership"),
+                 asyncio.create_task(probe.run(), name="engine-probe"),
+                 asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping"),
                  asyncio.create_task(usage.run(), name="usage"),
                  asyncio.create_task(gateway.api_keys.run(), name="api-keys")]
@@ -209,6 +237,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await leadership.stop()
             await upstream.close()
 
     handlers = [healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
@@ -218,6 +247,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
+            "leadership": leadership,
             "admin_token": admin_token, "started_at": time.time(),
             "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
             "api_keys": gateway.api_keys, "gateway": gateway,
@@ -239,4 +269,4 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         plugins=[StructSchemas()],
         logging_config=None,
     )
-    return Server(app, controller, router, gateway)
+    return Server(app, controller, router, gateway, leadership)

@@ -1,10 +1,17 @@
 """The controller: runs the pure planner on a loop and carries out what it decides.
 
-It owns the replicas (in memory: the running shards are the truth, and agents report
-them again on every connection, so a restarted controller adopts rather than restarts),
-the crash-loop backoffs, and the routing table that the gateway reads. Events (a node
-registering, a shard changing state) only wake the loop early; every pass looks at the
-whole picture.
+It owns the replicas (the running shards are the truth, and agents report them again on
+every connection, so a restarted controller adopts rather than restarts), the crash-loop
+backoffs, and the routing table that the gateway reads. Events (a node registering, a
+shard changing state) only wake the loop early; every pass looks at the whole picture.
+
+Only the leader's controller plans (server/leadership.py): it writes its replica table to
+the store after each pass that changed it, fenced by its term. On the other servers the
+controller follows: it reads that table every ``follow_interval_s`` and routes by it. A
+server starts from the stored table either way, so that it routes at once to what was
+ready before it started; engines whose node has not reported to this server (or is
+unreachable or lost) are routed to only while the gateway's own health check of them
+passes (server/probe.py).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -35,21 +42,27 @@ from llmgw.core.replicas import (
     fail,
     new_replica,
 )
-from llmgw.server.agents.sessions import NodeSession, NodeSessions
+from llmgw.server import replica_table
+from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
+from llmgw.server.catalog import catalog_of, entries
 from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
+from llmgw.store.leases import Fenced
 
 log = logging.getLogger(__name__)
 
 # How long a stopping replica's GPUs and ports stay taken if its node never confirms.
 _RELEASE_DEADLINE_S = 30.0
 DRAINING_SETTING = "draining_nodes"
+# The agent stream's close code for "this server does not lead; dial another".
+CLOSE_NOT_LEADER = 4421
 
 
 class Controller:
     def __init__(self, catalog: Catalog, store: Store, sessions: NodeSessions,
                  policy: reconcile.Policy, interval_s: float, heartbeat_interval_s: float,
                  clock: Callable[[], float] = time.time,
-                 settings: config.ServerConfig | None = None):
+                 settings: config.ServerConfig | None = None,
+                 follow_interval_s: float = 1.0):
         self.catalog = catalog
         self.store = store
         self.sessions = sessions
@@ -76,6 +89,23 @@ class Controller:
         self.engines_sent: dict[str, list[wire.EngineWanted]] = {}
         for problem in settings_problems(self.settings):
             log.warning("server.yaml: %s", problem)
+        # Leadership (set by the server; a controller alone leads, unfenced).
+        self.term: int | None = None
+        self.leading: Callable[[], bool] = lambda: True
+        self.not_leading: Callable[[], str] = lambda: "this server does not lead"
+        self.follow_interval_s = follow_interval_s
+        # Servers up (each routes with its share of an engine's slots).
+        self.servers: Callable[[], int] = lambda: 1
+        self._taking_over = True  # the next pass starts from the stored table's nodes
+        # Replicas of a lost node: routed to while their engines answer and the model has
+        # too few ready replicas without them (make before break); stopped when the node
+        # returns. Not planned: placement sees them gone and places their replacements.
+        self.orphans: dict[str, Replica] = {}
+        # Replicas routed to only while the gateway's own check of their engine passes,
+        # and those of them whose last check failed (server/probe.py).
+        self.unsure: frozenset[str] = frozenset()
+        self.probe_failed: frozenset[str] = frozenset()
+        self._published: dict | None = None
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -86,20 +116,101 @@ class Controller:
         self._wake.set()
 
     async def run(self) -> None:
-        await self._expect_known_nodes()
         while True:
+            leading = self.leading()
             try:
-                await self.pass_once()
+                if leading:
+                    await self.pass_once()
+                else:
+                    await self.follow()
             except StoreUnavailable:
                 pass  # the store logged the outage; the next pass tries again
+            except Fenced as err:
+                self.deposed(str(err))
             except Exception:
                 log.exception("reconcile pass failed; the next pass will try again")
             self._wake.clear()
             # Not asyncio.wait_for: on 3.11 it can swallow a cancel that arrives as the
             # wait completes (CPython gh-86296), and the server would never stop.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval_s):
+                async with asyncio.timeout(self.interval_s if leading
+                                           else self.follow_interval_s):
                     await self._wake.wait()
+
+    # --- leadership ------------------------------------------------------------------------
+
+    def took_lead(self, term: int) -> None:
+        """This server leads from now, in ``term``: it plans from the next pass on,
+        starting from the replica table it followed (or read at its start)."""
+        self.term = term
+        self._taking_over = True
+        self.wake()
+
+    def deposed(self, reason: str) -> None:
+        """Another server leads: stop planning, and send this server's nodes to it."""
+        if self.term is None:
+            return
+        self.term = None
+        closed = self.sessions.forget_all(Close(
+            CLOSE_NOT_LEADER, "this server no longer leads the cluster; dial another"))
+        log.warning("following from now (%s); closed %d agent stream(s) so that their "
+                    "nodes dial the leader", reason, closed)
+        self.releasing.clear()
+        self.engines_sent.clear()
+        self._unrecorded.clear()
+        self._expected = set()
+        self._published = None
+        self.wake()
+
+    async def load_table(self) -> None:
+        """Start from the stored replica table: what was ready is routed to at once."""
+        table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
+        if table is not None:
+            self._take_table(table)
+            log.info("routing from the stored replica table (term %d): %d replica(s), "
+                     "%d ready, checked by this server until their nodes report",
+                     table.term, len(table.replicas),
+                     sum(1 for r in table.replicas if r.state is ReplicaState.READY))
+
+    def _take_table(self, table: replica_table.ReplicaTable) -> None:
+        self.replicas = {r.id: r for r in table.replicas}
+        self.orphans = {r.id: r for r in table.orphans}
+        # Nothing this server heard of its nodes: all of it is checked by the probe.
+        self.unsure = frozenset([*self.replicas, *self.orphans])
+        self.unplaced = dict(table.unplaced)
+
+    async def follow(self) -> None:
+        """A follower's pass: the leader's table and the catalog as the store has them."""
+        await self._refresh_desired()
+        table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
+        if table is not None and replica_table.encode(table) != self._published:
+            self._published = replica_table.encode(table)
+            self.replicas = {r.id: r for r in table.replicas}
+            self.orphans = {r.id: r for r in table.orphans}
+            self.unsure = frozenset(table.unsure)
+            self.unplaced = dict(table.unplaced)
+            self.changed()
+
+    async def _refresh_desired(self) -> None:
+        """Models and drains may be changed through any server: read them each pass."""
+        catalog = catalog_of(await entries(self.store, self.settings))
+        if catalog != self.catalog:
+            self.catalog = catalog
+            log.info("catalog (as stored): %s", ", ".join(
+                f"{m.name} x{m.replicas}" for m in catalog.models) or "no models")
+        draining = set(await self.store.get_setting(DRAINING_SETTING, []))
+        for node_id in draining ^ self.sessions.draining:
+            self.sessions.set_draining(node_id, node_id in draining)
+
+    async def _publish(self) -> None:
+        """Write the replica table for followers and for this server's next start."""
+        table = replica_table.encode(replica_table.ReplicaTable(
+            term=self.term or 0, replicas=list(self.replicas.values()),
+            orphans=list(self.orphans.values()), unsure=sorted(self.unsure),
+            unplaced=self.unplaced))
+        if table != self._published:
+            await self.store.put_setting(replica_table.SETTING, table, term=self.term)
+            self._published = table
 
     async def _expect_known_nodes(self) -> None:
         """After a restart, give the nodes that were up a grace period to report what they
@@ -126,7 +237,14 @@ class Controller:
                 f"restart (at most {self._settle_until - now:.0f} s more)")
 
     async def pass_once(self) -> reconcile.Plan:
+        if not self.leading():
+            return reconcile.Plan()
         async with self._lock:
+            if self._taking_over:
+                await self._expect_known_nodes()
+                self._taking_over = False
+            else:
+                await self._refresh_desired()
             now = self.clock()
             for node_id in sorted(self._unrecorded):  # seen during an outage
                 try:
@@ -136,7 +254,8 @@ class Controller:
             for node_id, old, new in self.sessions.refresh(now):
                 log.info("node %s: %s -> %s", node_id, old.value, new.value)
                 try:
-                    await self.store.set_node_state(node_id, new.value, _utc(now))
+                    await self.store.set_node_state(node_id, new.value, _utc(now),
+                                                    term=self.term)
                 except StoreUnavailable:
                     self._unrecorded.add(node_id)  # its state too, once the store answers
                 except StoreError as err:
@@ -144,7 +263,7 @@ class Controller:
                     # being written, and writes the state with it): not a reason to drop
                     # the whole pass for every other node.
                     log.info("node %s: state not recorded: %s", node_id, err)
-                if new is NodeState.LOST and self.sessions.close(node_id):
+                if new is NodeState.LOST and self.sessions.close(node_id, _LOST_OPEN):
                     # Its stream outlived the silence (a paused VM, a short partition): make
                     # it register again, so what it still runs is adopted afresh.
                     log.warning("node %s was lost with its stream still open; closing it so "
@@ -155,7 +274,8 @@ class Controller:
             settling = self._settling(now)
             if settling:
                 self.unplaced = {m.name: settling for m in self.catalog.models}
-                self._changed()
+                self._after_pass()
+                await self._publish()
                 return reconcile.Plan(unplaced=self.unplaced)
             plan = reconcile.plan(self.catalog, self.sessions.nodes(), self.replicas.values(),
                                   self.backoffs, now, self.policy, load=self.load(),
@@ -163,8 +283,42 @@ class Controller:
             for action in plan.actions:
                 await self._apply(action, now)
             self.unplaced = dict(plan.unplaced)
-            self._changed()
+            self._after_pass()
+            await self._publish()
             return plan
+
+    def _after_pass(self) -> None:
+        self._forget_orphans()
+        self.unsure = frozenset(self._unsure())
+        self.changed()
+
+    def _unsure(self) -> Iterator[str]:
+        yield from self.orphans
+        for replica in self.replicas.values():
+            for shard in replica.shards:
+                session = self.sessions.get(shard.node_id)
+                if session is None or session.state not in (NodeState.READY,
+                                                             NodeState.DRAINING):
+                    yield replica.id
+                    break
+
+    def _forget_orphans(self) -> None:
+        """An orphan leaves routing once its model has enough ready replicas without it
+        (it is still stopped if its node returns: see _adopt)."""
+        for rid, orphan in list(self.orphans.items()):
+            if orphan.state is not ReplicaState.READY:
+                continue  # replaced already: kept only to be stopped
+            model = self.catalog.get(orphan.model)
+            if model is None:
+                del self.orphans[rid]
+                continue
+            ready = sum(1 for r in self.replicas.values()
+                        if r.model == orphan.model and r.state is ReplicaState.READY)
+            if ready >= model.replicas:
+                log.info("replica %s of %s, on a lost node, is no longer routed to: its "
+                         "replacement serves", rid, orphan.model)
+                self.orphans[rid] = replace(orphan, state=ReplicaState.STOPPED,
+                                            reason="replaced while its node was lost")
 
     async def _apply(self, action: reconcile.Action, now: float) -> None:
         if isinstance(action, reconcile.Place):
@@ -176,6 +330,14 @@ class Controller:
                             action.reason)
                 self.backoffs[replica.model] = reconcile.after_failure(
                     self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
+            elif replica.state is ReplicaState.READY:
+                # Its node is lost, not necessarily its engine: routed to while the engine
+                # answers, until the replacement placed now serves.
+                log.warning("replica %s of %s is placed again: %s; it is routed to while "
+                            "its engine answers, until the new one serves", replica.id,
+                            replica.model, action.reason)
+                self.orphans[replica.id] = replica
+                return
             else:
                 log.warning("replica %s of %s is placed again: %s", replica.id,
                             replica.model, action.reason)
@@ -194,7 +356,7 @@ class Controller:
         placement = action.placement
         model = self.catalog.get(placement.model)
         profile = model.profile(placement.profile)
-        epoch = await self.store.next_epoch()
+        epoch = await self.store.next_epoch(term=self.term)
         replica = new_replica(replica_id(model.name, epoch), placement, epoch, now)
         self.replicas[replica.id] = replica
         log.info("replica %s of %s: %s", replica.id, model.name, placement.describe())
@@ -215,7 +377,7 @@ class Controller:
                                            startup_timeout_s=sc.startup_timeout_s)
                               for sc in profile.sidecars]),
                 port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
-                rendezvous_port=placement.rendezvous_port, peers=peers,
+                rendezvous_port=placement.rendezvous_port, peers=peers, term=self.term or 0,
             )
             if not self.sessions.send(shard.node_id, message):
                 self.replicas[replica.id] = fail(
@@ -230,7 +392,8 @@ class Controller:
             if shard.state in ("failed", "stopped"):
                 continue
             if self.sessions.send(shard.node_id, wire.StopShard(
-                    replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason)):
+                    replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason,
+                    term=self.term or 0)):
                 stopping = True
         if stopping:
             held = replace(replica, state=ReplicaState.STOPPED, reason=reason)
@@ -263,7 +426,7 @@ class Controller:
             # The node serves from memory meanwhile; a pass writes it once the store
             # answers (the store logged the outage).
             self._unrecorded.add(msg.node_id)
-        self._changed()
+        self.changed()
         self.wake()
         return session, connection
 
@@ -273,7 +436,7 @@ class Controller:
         await self.store.put_node(NodeRecord(
             id=node_id, address=msg.address, state=session.state.value,
             inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
-            last_seen_at=_utc(now)))
+            last_seen_at=_utc(now)), term=self.term)
         self._unrecorded.discard(node_id)
 
     def node_welcomed(self, node_id: str, now: float) -> None:
@@ -298,10 +461,10 @@ class Controller:
                 id=node_id, address=old.address, state=session.state.value,
                 inventory=_inventory_dict(msg.inventory),
                 registered_at=stored.registered_at if stored else _utc(now),
-                last_seen_at=_utc(now)))
+                last_seen_at=_utc(now)), term=self.term)
         except StoreUnavailable:
             self._unrecorded.add(node_id)  # written by a pass once the store answers
-        self._changed()
+        self.changed()
         self.wake()
 
     def _ask_for_engines(self, msg: wire.Register) -> None:
@@ -341,12 +504,17 @@ class Controller:
                         detail=f"{msg.node_id} came back without it")
         for running in msg.running:
             model = self.catalog.get(running.model)
+            orphan = self.orphans.pop(running.replica, None)
+            stop = None
             if model is None or model.profile(running.profile) is None:
-                log.info("stopping %s on %s: model %s is not declared", running.replica,
-                         msg.node_id, running.model)
+                stop = f"model {running.model} is not declared"
+            elif orphan is not None and orphan.state is ReplicaState.STOPPED:
+                stop = "replaced while its node was lost"
+            if stop is not None:
+                log.info("stopping %s on %s: %s", running.replica, msg.node_id, stop)
                 self.sessions.send(msg.node_id, wire.StopShard(
                     replica=running.replica, rank=running.rank, epoch=running.epoch,
-                    reason=f"model {running.model} is not declared"))
+                    reason=stop, term=self.term or 0))
                 continue
             existing = self.replicas.get(running.replica)
             shard = Shard(running.rank, msg.node_id, msg.address, running.port,
@@ -387,7 +555,7 @@ class Controller:
             if msg.output_tail and msg.state == "failed":
                 log.warning("last output of %s rank %d:\n%s", replica.id, msg.rank,
                             "\n".join(msg.output_tail[-10:]))
-            self._changed()
+            self.changed()
             self.wake()
 
     async def load_draining(self) -> None:
@@ -407,7 +575,9 @@ class Controller:
         """An operator drains a node: its replicas move elsewhere, each stopping once its
         replacement serves; nothing new is placed there until it is undrained."""
         self.sessions.set_draining(node_id, draining)
-        await self.store.put_setting(DRAINING_SETTING, sorted(self.sessions.draining))
+        stored = set(await self.store.get_setting(DRAINING_SETTING, []))
+        (stored.add if draining else stored.discard)(node_id)
+        await self.store.put_setting(DRAINING_SETTING, sorted(stored))
         log.info("node %s: %s", node_id, "draining" if draining else "undrained")
         # A pass now, so the answer to the operator already shows the new state.
         await self.pass_once()
@@ -419,20 +589,42 @@ class Controller:
 
     # --- what the gateway and the admin API read -------------------------------------------
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Tell the listeners (the router) that what they read has changed."""
         for listener in self._listeners:
             listener(self)
 
+    def set_probe_failed(self, failed: frozenset[str]) -> None:
+        if failed != self.probe_failed:
+            self.probe_failed = failed
+            self.changed()
+
+    def unsure_endpoints(self) -> dict[str, tuple[str, str, int]]:
+        """What the probe checks: (engine, address, port) of each unsure ready replica."""
+        found = {}
+        for rid in self.unsure:
+            replica = self.replicas.get(rid) or self.orphans.get(rid)
+            endpoint = replica.endpoint() if replica is not None else None
+            model = self.catalog.get(replica.model) if replica is not None else None
+            profile = model.profile(replica.profile) if model is not None else None
+            if endpoint is not None and profile is not None:
+                found[rid] = (profile.engine, *endpoint)
+        return found
+
     def ready_endpoints(self) -> dict[str, list[tuple[str, str, int, int | None]]]:
-        """Per model, the (replica, address, port, slots) of every replica ready to serve."""
+        """Per model, the (replica, address, port, slots) of every replica ready to serve:
+        those on nodes it cannot vouch for only while their engines answer its check."""
         routes: dict[str, list[tuple[str, str, int, int | None]]] = {}
-        for replica in self.replicas.values():
+        failed = self.probe_failed
+        for replica in (*self.replicas.values(), *self.orphans.values()):
             endpoint = replica.endpoint()
-            if endpoint is not None:
+            if endpoint is not None and replica.id not in failed:
                 model = self.catalog.get(replica.model)
                 profile = model.profile(replica.profile) if model else None
-                routes.setdefault(replica.model, []).append(
-                    (replica.id, *endpoint, profile.slots if profile else None))
+                slots = profile.slots if profile else None
+                if slots is not None:
+                    slots = -(-slots // self.servers())  # this server's share, rounded up
+                routes.setdefault(replica.model, []).append((replica.id, *endpoint, slots))
         return routes
 
     def why_not_ready(self, model: str) -> str:
@@ -440,11 +632,19 @@ class Controller:
         if model in self.unplaced:
             return self.unplaced[model]
         mine = [r for r in self.replicas.values() if r.model == model]
+        unanswered = [r.id for r in (*mine, *self.orphans.values())
+                      if r.model == model and r.id in self.probe_failed]
+        if unanswered:
+            return (f"{', '.join(unanswered)} did not answer this server's health check, "
+                    "and its node has not reported to this server")
         if not mine:
             return "no replica is placed yet"
         return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
                          for r in mine)
 
+
+
+_LOST_OPEN = Close(4408, "declared lost with its stream still open; register again")
 
 
 def _utc(ts: float) -> datetime:

@@ -44,6 +44,7 @@ from sqlalchemy.ext.asyncio import (
 from llmgw.core.usage import check_limit
 from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
+from llmgw.store.leases import LeaseMixin
 from llmgw.store.pki import PkiMixin
 from llmgw.store.records import (
     ApiKeyRecord,
@@ -191,7 +192,7 @@ log = logging.getLogger(__name__)
 _PREFIXES_PER_READ = 500
 
 
-class Store(AccountsMixin, UsageMixin, PkiMixin):
+class Store(AccountsMixin, UsageMixin, PkiMixin, LeaseMixin):
     """Async access to the store; one instance per process, shared by all tasks."""
 
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:
@@ -210,16 +211,20 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
         await self.engine.dispose()
 
     @asynccontextmanager
-    async def _tx(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
+    async def _tx(self, *, write: bool = False, term: int | None = None
+                  ) -> AsyncIterator[AsyncSession]:
         """One short transaction; driver failures come out as StoreError.
 
         Pass `write=True` when the transaction reads before it writes (SQLite then starts
-        it with BEGIN IMMEDIATE); single-statement writes need not.
+        it with BEGIN IMMEDIATE); single-statement writes need not. With `term`, the
+        controller's writes: refused with `Fenced` unless that term still leads.
         """
         try:
             async with self._sessions() as session, session.begin():
-                if write:
+                if write or term is not None:
                     await session.connection(execution_options={_WRITE_OPTION: True})
+                if term is not None:
+                    await self.fence(session, term)
                 yield session
         except (StatementError, OSError) as exc:
             raise self._failed(exc) from exc
@@ -302,7 +307,7 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
 
     # nodes -------------------------------------------------------------------------
 
-    async def put_node(self, node: NodeRecord) -> None:
+    async def put_node(self, node: NodeRecord, term: int | None = None) -> None:
         """Insert or replace the node with `node.id`, as the agent registered it."""
         _check_json(node.inventory, f"inventory of node {node.id!r}")
         values = {
@@ -315,7 +320,7 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
         }
         stmt = self._insert(NodeRow).values(id=node.id, **values)
         stmt = stmt.on_conflict_do_update(index_elements=[NodeRow.id], set_=values)
-        async with self._tx() as s:
+        async with self._tx(term=term) as s:
             await s.execute(stmt)
 
     async def get_node(self, node_id: str) -> NodeRecord | None:
@@ -328,10 +333,11 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
             rows = await s.scalars(select(NodeRow).order_by(NodeRow.id))
             return [row.to_record() for row in rows]
 
-    async def set_node_state(self, node_id: str, state: str, at: datetime) -> None:
+    async def set_node_state(self, node_id: str, state: str, at: datetime,
+                             term: int | None = None) -> None:
         """Record that the node entered `state` at `at`; last_seen_at is left alone."""
         stmt = update(NodeRow).where(NodeRow.id == node_id).values(state=state, state_changed_at=at)
-        async with self._tx() as s:
+        async with self._tx(term=term) as s:
             result = await s.execute(stmt)
         if result.rowcount == 0:
             raise StoreError(f"no node {node_id!r} in the store; it must register first")
@@ -343,14 +349,14 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
             row = await s.get(SettingRow, key)
             return default if row is None else row.value
 
-    async def put_setting(self, key: str, value: Any) -> None:
+    async def put_setting(self, key: str, value: Any, term: int | None = None) -> None:
         _check_json(value, f"setting {key!r}")
         stmt = self._insert(SettingRow).values(key=key, value=value)
         stmt = stmt.on_conflict_do_update(index_elements=[SettingRow.key], set_={"value": value})
-        async with self._tx() as s:
+        async with self._tx(term=term) as s:
             await s.execute(stmt)
 
-    async def next_epoch(self) -> int:
+    async def next_epoch(self, term: int | None = None) -> int:
         """The next placement epoch: 1, 2, 3, ... never the same number twice.
 
         One INSERT ... ON CONFLICT DO UPDATE ... RETURNING: PostgreSQL locks the row for
@@ -360,7 +366,7 @@ class Store(AccountsMixin, UsageMixin, PkiMixin):
         stmt = stmt.on_conflict_do_update(
             index_elements=[CounterRow.name], set_={"value": CounterRow.value + 1}
         ).returning(CounterRow.value)
-        async with self._tx() as s:
+        async with self._tx(term=term) as s:
             return (await s.execute(stmt)).scalar_one()
 
     # API keys ----------------------------------------------------------------------

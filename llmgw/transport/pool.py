@@ -34,7 +34,7 @@ _MAX_IDLE = 64
 
 
 @functools.lru_cache(maxsize=1024)
-def _host_header(host: str, port: int) -> bytes:
+def host_header(host: str, port: int) -> bytes:
     """``host:port`` as the Host header has it (IPv6 in brackets), once per engine address:
     the idna codec is pure Python and would cost more than the rest of the request head."""
     return url_host(host).encode("idna") + b":" + str(port).encode()
@@ -44,7 +44,7 @@ def request_bytes(host: str, port: int, path: str, body: bytes, accept: bytes,
                   content_type: bytes = JSON_TYPE) -> bytes:
     """A POST of ``body`` to the engine at ``host:port``, head and body in one buffer."""
     return b"".join((b"POST ", path.encode("latin-1"), b" HTTP/1.1\r\nhost: ",
-                     _host_header(host, port),
+                     host_header(host, port),
                      b"\r\ncontent-type: ", content_type, b"\r\naccept: ", accept,
                      b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n", body))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 
 from llmgw.cli.ctl.client import call
 from llmgw.cli.ctl.commands import Commands
@@ -22,6 +23,24 @@ def status(args: argparse.Namespace) -> None:
           ["replica", "model", "state", "where", "reason"], "replicas", whole=False)
     table(_fabric_rows(reply), ["fabric", "nodes", "gpus", "replicas", "weights of"],
           "fabrics", whole=False)
+    table(_server_rows(reply), ["server", "address", "state", "since"], "servers",
+          whole=False)
+
+
+def _server_rows(reply: dict) -> list[dict]:
+    """Each server: up or down, which one leads and since when (and which answered)."""
+    leader = reply.get("leader")
+    rows = []
+    for server in reply.get("servers", []):
+        if leader is not None and server["name"] == leader["name"]:
+            state, since = f"leads (term {leader['term']})", leader["since"]
+        else:
+            state, since = ("follows" if server["up"] else "down"), server["since"]
+        if server["name"] == reply.get("answered_by"):
+            state += ", answered this"
+        rows.append({"server": server["name"], "address": server["address"], "state": state,
+                     "since": f"{datetime.fromtimestamp(since, UTC):%Y-%m-%d %H:%M:%S} UTC"})
+    return rows
 
 
 def _model_row(model: dict, replicas: list[dict]) -> dict:

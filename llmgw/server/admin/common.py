@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 # The parts /api handlers name (``store: Store``), and the caller (``principal``).
 SERVICES = {**from_states("config", "store", "controller", "router", "hasher", "throttle",
-                          "api_keys"),
+                          "api_keys", "leadership"),
             "principal": PRINCIPAL}
 # A handler's options for who may call it (``@get(path, **ADMIN)``): the guard, the
 # credentials it takes as the document names them, and the parts.

@@ -1,4 +1,7 @@
-"""``/api/status``: the cluster as the controller sees it."""
+"""``/api/status``: the cluster as the controller sees it.
+
+On a server that does not lead, replicas are the leader's table as last read, and nodes
+are as the leader recorded them in the store (their heartbeats go to the leader)."""
 
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ from llmgw.core.catalog import Model
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server.admin.common import ADMIN
 from llmgw.server.admin.nodes import NodeView, node_view
-from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.agents.sessions import NodeSession, session_of_record
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import refusals
+from llmgw.server.leadership import Leadership
 from llmgw.server.openai.router import Router
+from llmgw.store import Store
 
 
 class ShardView(msgspec.Struct):
@@ -67,19 +72,45 @@ class Logins(msgspec.Struct):
     peak: int
 
 
+class ServerView(msgspec.Struct):
+    """One of the cluster's servers, as the store last heard from it."""
+
+    name: str
+    address: str
+    up: bool
+    since: float  # Unix time it came up (if up) or last came up
+    leader: bool
+
+
+class LeaderView(msgspec.Struct):
+    name: str
+    address: str
+    term: int
+    since: float  # Unix time it took the lead
+
+
 class Status(msgspec.Struct):
     nodes: list[NodeView]
     replicas: list[ReplicaView]
     models: list[ModelStatus]
     logins: Logins
+    # Who leads (None: no server does right now), which server answered, and every
+    # server the store knows.
+    leader: LeaderView | None = None
+    answered_by: str = ""
+    servers: list[ServerView] = []
 
 
 @get("/api/status", **ADMIN, responses=refusals(401, 403))
 async def status(controller: NamedDependency[Controller], router: NamedDependency[Router],
                  throttle: NamedDependency[LoginThrottle],
-                 hasher: NamedDependency[PasswordHasher]) -> Status:
+                 hasher: NamedDependency[PasswordHasher], store: NamedDependency[Store],
+                 leadership: NamedDependency[Leadership]) -> Status:
     in_flight = router.in_flight()
-    sessions = controller.sessions.all()
+    if controller.leading():
+        sessions = controller.sessions.all()
+    else:
+        sessions = [session_of_record(r) for r in await store.list_nodes()]
     nodes = [node_view(s, controller.replicas.values()) for s in sessions]
     replicas = [
         ReplicaView(
@@ -100,7 +131,14 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
             unplaced=controller.unplaced.get(m.name)))
     logins = Logins(tracked_addresses=len(throttle), throttle_capacity=throttle.capacity,
                     **hasher.stats())
-    return Status(nodes=nodes, replicas=replicas, models=models, logins=logins)
+    lease = await store.leader()
+    leader = (LeaderView(lease.holder, lease.address, lease.term, lease.since)
+              if lease is not None and lease.live else None)
+    servers = [ServerView(s.name, s.address, s.live, s.since,
+                          leader is not None and s.name == leader.name)
+               for s in await store.list_servers()]
+    return Status(nodes=nodes, replicas=replicas, models=models, logins=logins,
+                  leader=leader, answered_by=leadership.name, servers=servers)
 
 
 def weights_held(model: Model, sessions: Iterable[NodeSession]) -> list[WeightsHeld]:

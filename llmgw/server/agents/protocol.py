@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from llmgw import wire
 from llmgw.core.names import NameRuleError, check_element
-from llmgw.server.agents.sessions import is_close
+from llmgw.server.agents.sessions import Close
 
 if TYPE_CHECKING:
     from llmgw.server.controller import Controller
@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 CLOSE_PROTOCOL = 4400
 CLOSE_UNAUTHORIZED = 4401  # revoked or expired while connected; also a plain route refusal
 CLOSE_IDENTITY = 4403  # a Register naming another node than the certificate
-CLOSE_REPLACED = 4409
+CLOSE_REPLACED = 4409  # sessions.py closes with it
+CLOSE_NOT_LEADER = 4421  # this server does not lead the cluster: dial another
 CLOSE_VERSION = 4426
 _REGISTER_TIMEOUT_S = 10.0
 
@@ -103,11 +104,15 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
             f"registered as {msg.node_id!r}; a node speaks only for itself: set node_id in "
             f"agent.yaml to {identity.node!r}, or join as {msg.node_id!r}")
 
+    if not controller.leading():
+        # Commands come from the leader only: the agent dials the next server it knows.
+        return await refuse(socket, peer, CLOSE_NOT_LEADER, controller.not_leading())
     session, connection = await controller.node_registered(msg, time.time())
     outbox = session.outbox
     assert outbox is not None  # attach() gave this connection its own
     await socket.send_bytes(wire.encode(wire.Welcome(
-        node_id=msg.node_id, heartbeat_interval_s=controller.heartbeat_interval_s)))
+        node_id=msg.node_id, heartbeat_interval_s=controller.heartbeat_interval_s,
+        term=controller.term or 0)))
     controller.node_welcomed(msg.node_id, time.time())
     sender = asyncio.create_task(_send_loop(socket, outbox))
     who = f"{msg.node_id} ({peer})"
@@ -158,9 +163,10 @@ async def _renew(identity: Identity | None, renew: Renew | None, node: str,
 async def _send_loop(socket: AgentSocket, outbox: asyncio.Queue) -> None:
     while True:
         item = await outbox.get()
-        if is_close(item):
+        if isinstance(item, Close):
+            log.info("closing the stream of %s: %s", socket.peer, item.reason)
             with contextlib.suppress(Exception):
-                await socket.close(CLOSE_REPLACED, "replaced by a newer connection")
+                await socket.close(item.code, item.reason)
             return
         await socket.send_bytes(wire.encode(item))
 

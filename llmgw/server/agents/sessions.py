@@ -16,6 +16,7 @@ import msgspec
 from llmgw import wire
 from llmgw.core.inventory import Node, NodeLiveness, NodeState, Timeouts, node_from_register
 from llmgw.core.inventory import node_state as compute_state
+from llmgw.store import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class NodeSessions:
         else:
             if session.outbox is not None:
                 log.warning("%s connected again; closing its older stream", msg.node_id)
-                session.outbox.put_nowait(_CLOSE)
+                session.outbox.put_nowait(_REPLACED)
             session.register = msg
             session.last_heartbeat = None
             session.live = NodeLiveness(last_seen=now, draining=draining)
@@ -86,13 +87,22 @@ class NodeSessions:
             session.live.connected = False
             session.outbox = None
 
-    def close(self, node_id: str) -> bool:
+    def close(self, node_id: str, close: Close) -> bool:
         """Close the node's stream, if open: it will dial again and register afresh."""
         session = self._sessions.get(node_id)
         if session is None or session.outbox is None:
             return False
-        session.outbox.put_nowait(_CLOSE)
+        session.outbox.put_nowait(close)
         return True
+
+    def forget_all(self, close: Close) -> int:
+        """Close every open stream and forget every node (this server stopped leading:
+        its nodes dial the leader, and should it lead again, it hears from them afresh).
+        Returns how many streams were open."""
+        closed = sum(self.close(node_id, close) for node_id in list(self._sessions))
+        self._sessions.clear()
+        self._order = []
+        return closed
 
     def set_draining(self, node_id: str, draining: bool) -> None:
         (self.draining.add if draining else self.draining.discard)(node_id)
@@ -162,12 +172,23 @@ class NodeSessions:
         return sorted(self._sessions.values(), key=lambda s: s.node_id)
 
 
-class _Close:
-    """Put on an outbox to make its stream close (a newer connection replaced it)."""
+def session_of_record(record: NodeRecord) -> NodeSession:
+    """A node as the store has it, shaped as a session: how a server that does not lead
+    (and so has no stream from it) shows it."""
+    inventory = msgspec.convert(record.inventory, wire.Inventory)
+    seen = record.last_seen_at.timestamp()
+    return NodeSession(record.id, wire.Register(node_id=record.id, address=record.address,
+                                                inventory=inventory),
+                       NodeLiveness(last_seen=seen, connected=False),
+                       state=NodeState(record.state))
 
 
-_CLOSE = _Close()
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Put on an outbox to make its stream close, with this WebSocket code and reason."""
+
+    code: int
+    reason: str
 
 
-def is_close(item: object) -> bool:
-    return item is _CLOSE
+_REPLACED = Close(4409, "replaced by a newer connection")
