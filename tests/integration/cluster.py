@@ -228,11 +228,15 @@ class Cluster:
         path = self.write_server_config()
         if not self.api_key:
             self.server_state.mkdir(parents=True, exist_ok=True)
-            self.api_key = asyncio.run(self._make_key())
+            self.api_key = self.make_key()
         self.server = _start(["server", "--config", str(path)], self.root / "server.log")
         wait_for(lambda: httpx.get(f"{self.base_url}/healthz").status_code == 200, 30,
                  "the server to answer /healthz")
         self.admin_token = (self.server_state / "secrets" / "admin-token").read_text().strip()
+
+    def make_key(self) -> str:
+        """An API key made in the server's SQLite store, before the server runs."""
+        return asyncio.run(self._make_key())
 
     async def _make_key(self) -> str:
         store = await open_store(sqlite_url(self.server_state / "llmgw.db"))

@@ -17,6 +17,7 @@ import time
 import openai
 
 from tests.integration.cluster import Cluster, free_port_block, process_alive, wait_for
+from tests.integration.load import ChatLoad
 
 UNREACHABLE_AFTER_S = 3
 LOST_AFTER_S = 8
@@ -317,6 +318,10 @@ def test_a_healed_partition_leaves_exactly_one_copy(make_cluster, record_propert
     cluster = two_nodes(make_cluster, [SIM_A])
     [original] = cluster.wait_ready("sim-a")
     engines = {original["id"]: engine_of(cluster, original["id"])}
+    # Requests go on through the partition: to the original while its engine answers
+    # the gateway's own check, then to the replacement (make before break).
+    load = ChatLoad(cluster.base_url, cluster.api_key, "sim-a", {"plain": 1, "stream": 1})
+    load.start()
     paused_at = time.monotonic()
     try:
         original, _, y = partition(cluster)
@@ -342,15 +347,20 @@ def test_a_healed_partition_leaves_exactly_one_copy(make_cluster, record_propert
             return replicas[0]
         return None
 
-    # Two copies of a one-replica model: one is stopped (whichever), and its engine exits.
+    # The replica the lost node ran was replaced: it is the one stopped when it returns.
     survivor = wait_for(one_copy, 20, "exactly one ready replica of sim-a")
-    assert survivor["id"] in engines
-    [stopped] = [rid for rid in engines if rid != survivor["id"]]
-    wait_for(lambda: not process_alive(*engines[stopped]), 20,
-             f"the engine of the stopped copy {stopped} to exit")
+    assert survivor["id"] == replacement["id"]
+    wait_for(lambda: not process_alive(*engines[original["id"]]), 20,
+             f"the engine of the replaced {original['id']} to exit")
     one_copy_s = time.monotonic() - healed_at
+    load.finish()
     assert process_alive(*engines[survivor["id"]])
     assert one_copy() and ask(cluster)
+    failures = load.failures()
+    assert failures == [], failures[:5]
+    answered = load.answered_after(paused_at, healed_at)
+    assert answered >= 20, f"only {answered} answers while the node was partitioned"
+    record_property("answers_during_partition", answered)
 
     figure(record_property, "partition_to_replica_ready_elsewhere_s", move_s)
     figure(record_property, "heal_to_one_copy_and_engine_gone_s", one_copy_s)

@@ -10,7 +10,6 @@ the old leader is let go on (SIGCONT), it sees the lease is gone and follows.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from tests.integration.cluster import Cluster, wait_for
+from tests.integration.load import ChatLoad
 
 MODEL = "sim-small"
 LEASE_S = 4.0
@@ -89,22 +89,9 @@ def test_a_paused_leader_is_followed_and_nothing_fails_on_the_follower(two_serve
     key = first.admin("POST", "/api/keys", json={"name": "load"}).json()["key"]
     old_term = first.status()["leader"]["term"]
 
-    # Bounded load on the follower for the whole takeover: one request at a time.
-    results: list[str | Exception] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        client = _client(second, key)
-        deadline = time.monotonic() + 60
-        while not stop.is_set() and time.monotonic() < deadline and len(results) < 2000:
-            try:
-                results.append(_chat(client))
-            except Exception as exc:  # every failure is counted, and shown
-                results.append(exc)
-            time.sleep(0.02)
-
-    loader = threading.Thread(target=load)
-    loader.start()
+    # Bounded load on the follower for the whole takeover.
+    load = ChatLoad(second.base_url, key, MODEL, {"plain": 1, "stream": 1})
+    load.start()
     try:
         paused_at = time.monotonic()
         first.server.send_signal(19)  # SIGSTOP: the process only, its socket stays open
@@ -119,14 +106,15 @@ def test_a_paused_leader_is_followed_and_nothing_fails_on_the_follower(two_serve
         finally:
             first.server.send_signal(18)  # SIGCONT
         wait_for(lambda: not _health(first)["leader"], 10, "the old leader to step down")
-        wait_for(lambda: len(results) > 20, 10, "more answers after the takeover")
+        stepped_down = time.monotonic()
+        wait_for(lambda: load.answered_after(stepped_down) >= 20, 10,
+                 "more answers after the takeover")
     finally:
-        stop.set()
-        loader.join(30)
+        load.finish()
 
-    failures = [r for r in results if isinstance(r, Exception)]
+    failures = load.failures()
     print(f"took the lead after {took_over_s:.1f} s, node moved after {moved_s:.1f} s, "
-          f"{len(results)} requests, {len(failures)} failed")
+          f"{len(load.done)} requests, {len(failures)} failed")
     assert failures == [], failures[:3]
     assert agent.engine_pids() == engine  # adopted by the new leader, not restarted
     lead = second.status()["leader"]

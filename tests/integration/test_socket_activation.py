@@ -9,11 +9,8 @@ socket. No connection may be refused: the kernel queues them while no server run
 from __future__ import annotations
 
 import http.client
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,25 +21,8 @@ import yaml
 
 from llmgw.config import HTTP_SERVERS, Listen
 from llmgw.server.listen import ListenError, check_matches, inherited_listener
+from tests.integration.activation import listener, start_activated
 from tests.integration.cluster import _stop_group, free_port, wait_for
-
-# Moves the socket to fd 3 (SD_LISTEN_FDS_START), sets LISTEN_PID to its own pid, then
-# execs: the server keeps that pid, as under systemd.
-_ACTIVATE = """import os, sys
-fd = int(sys.argv[1])
-if fd != 3:
-    os.dup2(fd, 3, inheritable=True)
-    os.close(fd)
-os.environ["LISTEN_PID"] = str(os.getpid())
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
-def _listener(host: str = "127.0.0.1") -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(128)
-    return sock
 
 
 def _write_config(root: Path, port: int, http_server: str = "uvicorn") -> Path:
@@ -53,17 +33,6 @@ def _write_config(root: Path, port: int, http_server: str = "uvicorn") -> Path:
         "log_level": "info",
     }))
     return path
-
-
-def _start_activated(sock: socket.socket, config: Path, log: Path,
-                     env: dict[str, str] | None = None) -> subprocess.Popen:
-    fd = sock.fileno()
-    return subprocess.Popen(
-        [sys.executable, "-c", _ACTIVATE, str(fd),
-         sys.executable, "-m", "llmgw", "server", "--config", str(config)],
-        env={**os.environ, "LISTEN_FDS": "1", **(env or {})}, pass_fds=[fd],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # the child owns it
-        stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _healthz(port: int, timeout_s: float) -> int:
@@ -108,7 +77,7 @@ class _Client:
 
 @pytest.mark.parametrize("http_server", HTTP_SERVERS)
 def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_server):
-    sock = _listener()
+    sock = listener()
     port = sock.getsockname()[1]
     config = _write_config(tmp_path, port, http_server)
     logs = [tmp_path / "server-1.log", tmp_path / "server-2.log"]
@@ -116,7 +85,7 @@ def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_serve
     client = _Client(port)
     thread = threading.Thread(target=client.run, daemon=True)
     try:
-        first = _start_activated(sock, config, logs[0])
+        first = start_activated(sock, config, logs[0])
         wait_for(lambda: f"socket passed by systemd) ({http_server})" in logs[0].read_text(),
                  60, f"the first server to serve on the passed socket, on {http_server}")
         thread.start()
@@ -128,7 +97,7 @@ def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_serve
         wait_for(lambda: client.in_flight_since is not None, 30,
                  "a request pending while no server runs")
         second_started = time.monotonic()
-        second = _start_activated(sock, config, logs[1])
+        second = start_activated(sock, config, logs[1])
         wait_for(lambda: client.answered_after(second_started) >= 10, 60,
                  "10 answers from the second server")
         client.stop.set()
@@ -157,10 +126,10 @@ def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_serve
 def test_a_socket_for_another_address_is_refused_at_start(tmp_path):
     """The server refuses, exit 2 and one line, a passed socket server.yaml does not
     describe: its checks (API keys off only on loopback) read listen, not the socket."""
-    sock = _listener()
+    sock = listener()
     config = _write_config(tmp_path, free_port())
     log = tmp_path / "server.log"
-    proc = _start_activated(sock, config, log)
+    proc = start_activated(sock, config, log)
     try:
         assert proc.wait(30) == 2
     finally:
@@ -185,7 +154,7 @@ def test_no_listen_pid_means_bind_yourself():
 
 
 def test_the_passed_listener_is_returned_and_the_variables_removed():
-    sock = _listener()
+    sock = listener()
     env = _env(4242)
     got = inherited_listener(env, pid=4242, fd_start=sock.fileno())
     try:
@@ -236,7 +205,7 @@ def test_a_file_is_refused(tmp_path):
 
 
 def test_listen_must_describe_the_socket():
-    sock = _listener()
+    sock = listener()
     port = sock.getsockname()[1]
     try:
         check_matches(sock, Listen(host="127.0.0.1", port=port))

@@ -12,6 +12,7 @@ from litestar import get
 from litestar.di import NamedDependency
 
 from llmgw.core.catalog import Model
+from llmgw.core.replicas import Replica, ReplicaState
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server.admin.common import ADMIN
 from llmgw.server.admin.nodes import NodeView, node_view
@@ -112,14 +113,13 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
     else:
         sessions = [session_of_record(r) for r in await store.list_nodes()]
     nodes = [node_view(s, controller.replicas.values()) for s in sessions]
-    replicas = [
-        ReplicaView(
-            id=r.id, model=r.model, profile=r.profile, epoch=r.epoch, state=r.state.value,
-            reason=r.reason, in_flight=in_flight.get(r.id, 0),
-            shards=[ShardView(s.rank, s.node_id, s.port, s.state, s.detail)
-                    for s in r.shards])
-        for r in sorted(controller.replicas.values(), key=lambda r: r.id)
-    ]
+    replicas = [_replica_view(r, in_flight, r.reason)
+                for r in sorted(controller.replicas.values(), key=lambda r: r.id)]
+    # A lost node's replica is still routed to until its replacement serves.
+    replicas += [_replica_view(r, in_flight, "its node is lost; routed to while its engine "
+                               "answers, until the replacement serves")
+                 for r in sorted(controller.orphans.values(), key=lambda r: r.id)
+                 if r.state is ReplicaState.READY]
     models = []
     for m in controller.catalog.models:
         held = weights_held(m, sessions)
@@ -139,6 +139,13 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
                for s in await store.list_servers()]
     return Status(nodes=nodes, replicas=replicas, models=models, logins=logins,
                   leader=leader, answered_by=leadership.name, servers=servers)
+
+
+def _replica_view(r: Replica, in_flight: dict[str, int], reason: str) -> ReplicaView:
+    return ReplicaView(id=r.id, model=r.model, profile=r.profile, epoch=r.epoch,
+                       state=r.state.value, reason=reason, in_flight=in_flight.get(r.id, 0),
+                       shards=[ShardView(s.rank, s.node_id, s.port, s.state, s.detail)
+                               for s in r.shards])
 
 
 def weights_held(model: Model, sessions: Iterable[NodeSession]) -> list[WeightsHeld]:
