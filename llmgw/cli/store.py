@@ -1,8 +1,9 @@
 """``llmgw store``: back up or restore the server's store, or move it to PostgreSQL.
 
-Each command reads server.yaml for the store and the state directory, and holds the
-state-directory lock for its whole run: it refuses while the server runs, and the server
-cannot start until it is done. Failures are one line on stderr and exit 1.
+Each command reads server.yaml for the store and the state directory. Restore holds the
+state-directory lock for its whole run, and the move for its copy (`store_move`): each
+refuses while a server runs that it cannot stop, and the server cannot start half way
+through. A backup runs beside the server. Failures are one line on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import functools
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from llmgw.config import ConfigError, ServerConfig, load
 
 DEFAULT_CONFIG = "/etc/llmgw/server.yaml"
-_RESTART = "start the server again, e.g. `systemctl start llmgw-server`"
+SERVICE = "llmgw-server"
+LOCAL_NAME = "llmgw"  # --install's role and database
+LOCAL_PORT = 5432
+_RESTART = f"start the server again, e.g. `systemctl start {SERVICE}`"
 
 
 def add_parser(sub) -> None:
@@ -56,18 +57,35 @@ def add_parser(sub) -> None:
     m = cmds.add_parser(
         "migrate-to-postgres",
         help="copy the SQLite store into PostgreSQL and use it",
-        description="Copy every row of the SQLite store into an empty PostgreSQL database, "
-        "then set store.url in server.yaml to it (the old file is kept beside it). The "
-        "SQLite store is only read.",
+        description="Copy every row of the SQLite store into an empty PostgreSQL database "
+        "and set store.url in server.yaml to it (the old file is kept beside it). If the "
+        "server runs as its systemd unit, it is stopped for the copy and started again on "
+        "PostgreSQL; if any step fails, server.yaml is put back and the server started "
+        "again on SQLite. The SQLite store is only read.",
     )
-    m.add_argument(
+    target = m.add_mutually_exclusive_group(required=True)
+    target.add_argument(
         "--url",
-        required=True,
         metavar="URL",
         help="the empty database, e.g. postgresql+asyncpg://llmgw:PASSWORD@db/llmgw; "
         "`-` reads it from the first line of stdin, which keeps a password out of "
         "the process list and the shell's history",
     )
+    target.add_argument(
+        "--install",
+        action="store_true",
+        help="use a PostgreSQL on this machine, installed with apt-get or dnf if none "
+        "answers on 127.0.0.1, with a new role and database whose generated password is "
+        "kept in <state_dir>/secrets/postgres-password; as root",
+    )
+    m.add_argument("--role", metavar="NAME", help="with --install: the role to make "
+                   f"(default {LOCAL_NAME})")
+    m.add_argument("--database", metavar="NAME", help="with --install: the database to "
+                   f"make (default {LOCAL_NAME})")
+    m.add_argument("--port", type=int, metavar="PORT", help="with --install: the port the "
+                   f"local PostgreSQL answers on (default {LOCAL_PORT})")
+    m.add_argument("--service", default=SERVICE, metavar="UNIT", help="the server's systemd "
+                   f"unit, stopped for the move and started again if active (default {SERVICE})")
     _config_option(m)
     m.set_defaults(func=_migrate)
 
@@ -95,10 +113,10 @@ def _command(action, *, locked: bool = True):
         try:
             config = load(args.config, ServerConfig)
             if not locked:
-                action(args, store_url(config))
+                action(args, config, store_url(config))
                 return 0
             with hold_state_lock(config.state_dir, f"`llmgw store {args.store_command}`"):
-                action(args, store_url(config))
+                action(args, config, store_url(config))
         except (StoreError, ConfigError) as err:
             print(f"llmgw store {args.store_command}: {ops.mask_text(str(err))}", file=sys.stderr)
             return 1
@@ -114,7 +132,7 @@ def _locked(action):
 # Online: SQLite's backup API and pg_dump both take a consistent snapshot while the
 # server keeps writing, so a backup needs no downtime.
 @functools.partial(_command, locked=False)
-def _backup(args: argparse.Namespace, url: str) -> None:
+def _backup(args: argparse.Namespace, _config: ServerConfig, url: str) -> None:
     from llmgw.store import ops
     dest = asyncio.run(ops.backup(url, args.path, overwrite=args.overwrite))
     size = dest.stat().st_size
@@ -122,48 +140,17 @@ def _backup(args: argparse.Namespace, url: str) -> None:
 
 
 @_locked
-def _restore(args: argparse.Namespace, url: str) -> None:
+def _restore(args: argparse.Namespace, _config: ServerConfig, url: str) -> None:
     from llmgw.store import ops
     kept = asyncio.run(ops.restore(url, args.path))
     aside = f"; the database it replaced is kept as {kept}" if kept else ""
     print(f"restored {args.path} into {ops.mask(url)}{aside}; {_RESTART}")
 
 
-@_locked
-def _migrate(args: argparse.Namespace, url: str) -> None:
-    from llmgw.store import StoreError, ops
-    if ops.backend(url) == "postgresql":
-        raise StoreError(
-            f"the store is already on PostgreSQL ({ops.mask(url)}); moving "
-            "one PostgreSQL store into another is not supported"
-        )
-    given = sys.stdin.readline().strip() if args.url == "-" else args.url
-    new = ops.asyncpg_url(given)
-    if ops.backend(new) != "postgresql":
-        raise StoreError(
-            f"--url {ops.mask(new)} is not a PostgreSQL URL; give one like "
-            "postgresql+asyncpg://llmgw:PASSWORD@HOST/DATABASE"
-        )
-    counts = asyncio.run(ops.migrate_to_postgres(url, new))
-    try:
-        kept = ops.point_config_at(Path(args.config), new)
-    except StoreError as err:
-        try:
-            asyncio.run(ops.drop_store(new))
-            undone = "the copy in PostgreSQL was removed again"
-        except StoreError as drop_err:
-            undone = f"removing the copy in PostgreSQL failed too ({drop_err})"
-        raise StoreError(f"{err}; {undone}; the SQLite store is untouched") from err
-
-    print(f"copied the store from {ops.mask(url)} to {ops.mask(new)}:")
-    table = Table(box=None, pad_edge=False)
-    table.add_column("table")
-    table.add_column("rows", justify="right")
-    for name, rows in counts.items():
-        table.add_row(name, str(rows))
-    Console(highlight=False, markup=False).print(table)
-    print(f"{args.config}: store.url now names PostgreSQL; the previous file is kept as {kept}")
-    print(f"the SQLite store is left as it was; {_RESTART}")
+@functools.partial(_command, locked=False)  # store_move takes the lock for the copy alone
+def _migrate(args: argparse.Namespace, config: ServerConfig, url: str) -> None:
+    from llmgw.cli.store_move import migrate
+    migrate(args, config, url)
 
 
 def _size(n: int) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 from pathlib import Path
 
 from llmgw.config import ConfigError, ServerConfig, load
-from llmgw.store.files import replace_like, stamp, unique, write_like
+from llmgw.store.files import fsync_dir, replace_like, stamp, unique, write_like
 from llmgw.store.records import StoreError
 from llmgw.store.urls import mask, mask_text
 
@@ -49,6 +51,40 @@ def point_config_at(config_path: Path, new_url: str) -> Path:
         )
     log.info("%s: store.url is now %s; the old file is kept as %s", path, mask(new_url), kept)
     return kept
+
+
+def check_editable(config_path: Path, password: bool) -> None:
+    """Refuse, before anything is stopped, a server.yaml `point_config_at` could not edit,
+    or one every user can read that would get a database password (`password`)."""
+    path = Path(config_path)
+    if path.is_symlink():
+        raise StoreError(f"{path} is a symbolic link; set store.url where the file is made")
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror}") from exc
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise StoreError(f"cannot write in {path.parent}, where {path.name} is replaced and "
+                         "its old copy kept: run this as root or as the directory's owner")
+    if password and mode & stat.S_IRWXO:
+        raise StoreError(
+            f"{path} is readable by every user (mode {mode:o}) and would hold the database "
+            f"password: run `chmod o-rwx {path}` (the server's group may keep reading it), "
+            "then run this again"
+        )
+
+
+def put_config_back(config_path: Path, kept: Path) -> None:
+    """Undo `point_config_at`: the kept copy goes back in place as server.yaml."""
+    path = Path(config_path)
+    try:
+        os.replace(kept, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise StoreError(
+            f"cannot put {kept} back as {path}: {exc.strerror}; copy it there by hand"
+        ) from exc
+    log.info("%s is back as it was before the move", path)
 
 
 _STORE_KEY = re.compile(r"store\s*:(?P<rest>.*)")

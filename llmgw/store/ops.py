@@ -36,7 +36,12 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from llmgw.store import StoreError, migrate, open_store, sqlite_url
-from llmgw.store.config_edit import point_config_at, with_store_url
+from llmgw.store.config_edit import (
+    check_editable,
+    point_config_at,
+    put_config_back,
+    with_store_url,
+)
 from llmgw.store.files import (
     chown_like,
     create_private,
@@ -64,8 +69,9 @@ log = logging.getLogger(__name__)
 
 # What `llmgw store` calls, in one place.
 __all__ = [
-    "asyncpg_url", "backend", "backup", "drop_store", "mask", "mask_text",
-    "migrate_to_postgres", "point_config_at", "restore", "with_store_url",
+    "asyncpg_url", "backend", "backup", "check_editable", "check_move", "drop_store", "mask",
+    "mask_text", "migrate_to_postgres", "point_config_at", "put_config_back", "restore",
+    "with_store_url",
 ]
 
 COPY_BATCH_ROWS = 1000
@@ -340,15 +346,8 @@ async def migrate_to_postgres(sqlite_url: str, pg_url: str) -> dict[str, int]:
     made in PostgreSQL is dropped again. The SQLite store is only read.
     """
     src_url, dst_url = parse(sqlite_url, "sqlite"), parse(pg_url, "postgresql")
-    src_path = sqlite_path(src_url)
-    if not src_path.is_file():
-        raise StoreError(f"there is no SQLite store at {src_path}")
-    present = await _pg_store_tables(dst_url)
-    if present:
-        raise StoreError(
-            f"the PostgreSQL database {shown(dst_url)} already holds an llmgw store; point "
-            f"--url at an empty database (it has {', '.join(sorted(present))})"
-        )
+    src_path = _sqlite_source(src_url)
+    await _check_empty(dst_url)
     source = _sqlite_reader(src_url)
     try:
         async with source.connect() as src:
@@ -372,6 +371,39 @@ async def migrate_to_postgres(sqlite_url: str, pg_url: str) -> dict[str, int]:
         await source.dispose()
     log.info("copied %d rows from %s to %s", sum(counts.values()), src_path, shown(dst_url))
     return counts
+
+
+async def check_move(sqlite_url: str, pg_url: str) -> None:
+    """Refuse, before anything stops, what `migrate_to_postgres` would: no SQLite store, or
+    one at another schema revision; a PostgreSQL that cannot be logged into, or that
+    already holds an llmgw store."""
+    src_url, dst_url = parse(sqlite_url, "sqlite"), parse(pg_url, "postgresql")
+    src_path = _sqlite_source(src_url)
+    source = _sqlite_reader(src_url)
+    try:
+        async with source.connect() as src:
+            await _check_source_at_head(src, src_path)
+    except (DBAPIError, OSError) as exc:
+        raise StoreError(f"cannot read the SQLite store {src_path}: {words(exc)}") from exc
+    finally:
+        await source.dispose()
+    await _check_empty(dst_url)
+
+
+def _sqlite_source(url: URL) -> Path:
+    path = sqlite_path(url)
+    if not path.is_file():
+        raise StoreError(f"there is no SQLite store at {path}")
+    return path
+
+
+async def _check_empty(url: URL) -> None:
+    present = await _pg_store_tables(url)
+    if present:
+        raise StoreError(
+            f"the PostgreSQL database {shown(url)} already holds an llmgw store; point "
+            f"--url at an empty database (it has {', '.join(sorted(present))})"
+        )
 
 
 async def drop_store(pg_url: str) -> None:

@@ -3,17 +3,13 @@ process on a real server.yaml and SQLite store, and a fresh PostgreSQL database.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
-import os
 import sqlite3
 import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -21,29 +17,10 @@ from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from llmgw.config import ServerConfig, load
-from llmgw.store import ApiKeyRecord, open_store, sqlite_url
-from tests.pg import UNREACHABLE, create_database, drop_database, postgres_unavailable
+from llmgw.store import sqlite_url
+from tests.integration.stand_ins import StandIns
+from tests.integration.store_cli import ROOT, check_rows, llmgw_store, make_server
 
-ROOT = Path(__file__).resolve().parents[2]
-T0 = datetime(2025, 3, 4, 5, 6, 7, 891011, tzinfo=UTC)
-CONFIG = """\
-# the server's configuration; this comment must survive the move
-listen:
-  port: 8080   # the API
-
-state_dir: {state}
-auth:
-  require_api_key: true
-"""
-# Until `llmgw store` is wired into llmgw/cli/main.py, run it through add_parser alone.
-SHIM = """
-import argparse, sys
-from llmgw.cli import store
-top = argparse.ArgumentParser(prog="llmgw")
-store.add_parser(top.add_subparsers(dest="command", required=True))
-args = top.parse_args()
-sys.exit(args.func(args))
-"""
 HOLDER = """
 import sys
 from llmgw.store.lock import hold_state_lock
@@ -51,32 +28,6 @@ with hold_state_lock(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()
 """
-
-
-def _wired() -> bool:
-    from llmgw.cli.main import parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            parser().parse_args(["store", "backup", "x"])
-    except SystemExit:
-        return False
-    return True
-
-
-ENTRY = ["-m", "llmgw"] if _wired() else ["-c", SHIM]
-
-
-def llmgw_store(*args: str | os.PathLike, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *ENTRY, "store", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        input=stdin,
-        env={**os.environ, "COLUMNS": "120"},
-    )
 
 
 def rows(db: Path) -> list[tuple]:
@@ -111,39 +62,16 @@ def lock_held_elsewhere(state_dir: Path) -> Iterator[subprocess.Popen]:
 @pytest.fixture
 async def server(tmp_path: Path) -> Path:
     """A server.yaml (default SQLite store) and its store with a few rows; the config's path."""
-    state = tmp_path / "state"
-    config = tmp_path / "server.yaml"
-    config.write_text(CONFIG.format(state=state))
-    config.chmod(0o640)
-    store = await open_store(sqlite_url(state / "llmgw.db"))
-    try:
-        await store.put_model("m", {"name": "m", "profiles": [{"engine": "sim"}], "x": 0.1})
-        await store.put_setting("s", {"nested": [1, None]})
-        for i in range(3):
-            await store.add_api_key(
-                ApiKeyRecord(
-                    prefix=f"k{i}",
-                    secret_hash=f"h{i}",
-                    name=f"key {i}",
-                    created_at=T0,
-                    allowed_models=["m"] if i else None,
-                )
-            )
-    finally:
-        await store.close()
-    return config
+    return await make_server(tmp_path)
 
 
 @pytest.fixture
-async def pg_url() -> str:
-    try:
-        url = await create_database("llmgw_cli")
-    except UNREACHABLE as exc:
-        postgres_unavailable(exc)
-    try:
-        yield url
-    finally:
-        await drop_database(url)
+def stand_ins(tmp_path: Path, server: Path) -> Iterator[StandIns]:
+    """A systemctl on PATH for which the server's unit is not running: no real unit of
+    this machine is ever asked about, let alone stopped."""
+    made = StandIns(tmp_path / "stand-ins", server, pg_port=0)
+    yield made
+    made.stop()
 
 
 async def pg_tables(url: str) -> set[str]:
@@ -188,13 +116,17 @@ def test_a_missing_config_is_one_line_and_exit_1(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
-async def test_migrate_to_postgres(server: Path, tmp_path: Path, pg_url: str) -> None:
+async def test_migrate_to_postgres(
+    server: Path, tmp_path: Path, postgres_database: str, stand_ins: StandIns
+) -> None:
+    pg_url = postgres_database
     old_config, sqlite_file = server.read_bytes(), tmp_path / "state" / "llmgw.db"
     old_store = digest(sqlite_file)
     plain = pg_url.replace("postgresql+asyncpg://", "postgresql://")  # as libpq writes it
 
     # The URL from stdin (`--url -`), as a password is best given.
-    done = llmgw_store("migrate-to-postgres", "--url", "-", "--config", server, stdin=plain + "\n")
+    done = llmgw_store("migrate-to-postgres", "--url", "-", "--config", server,
+                       stdin=plain + "\n", env=stand_ins.env())
 
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -205,35 +137,38 @@ async def test_migrate_to_postgres(server: Path, tmp_path: Path, pg_url: str) ->
     assert lines[-2] == (
         f"{server}: store.url now names PostgreSQL; the previous file is kept as {kept}"
     )
+    # The unit was not running: nothing was stopped, so nothing is started.
+    assert lines[-1] == (
+        "the SQLite store is left as it was; start the server again, e.g. "
+        "`systemctl start llmgw-server`"
+    )
+    assert stand_ins.calls() == [["systemctl", "is-active", "llmgw-server"]] * 2
     assert kept.read_bytes() == old_config
     assert stat.S_IMODE(server.stat().st_mode) == stat.S_IMODE(kept.stat().st_mode) == 0o640
     new_text = server.read_text()
     assert new_text.startswith(old_config.decode())  # every line kept; one block added
     assert load(server, ServerConfig).store.url == pg_url
     assert digest(sqlite_file) == old_store
+    await check_rows(load(server, ServerConfig).store.url)
 
-    store = await open_store(load(server, ServerConfig).store.url)
-    try:
-        assert [k.prefix for k in await store.list_api_keys()] == ["k0", "k1", "k2"]
-        assert (await store.get_model("m")).spec["x"] == 0.1
-        assert await store.get_setting("s") == {"nested": [1, None]}
-        assert (await store.list_api_keys())[0].created_at == T0
-    finally:
-        await store.close()
-
-    twice = llmgw_store("migrate-to-postgres", "--url", pg_url, "--config", server)
+    twice = llmgw_store("migrate-to-postgres", "--url", pg_url, "--config", server,
+                        env=stand_ins.env())
     assert twice.returncode == 1
     assert "moving one PostgreSQL store into another is not supported" in twice.stderr
 
 
 @pytest.mark.postgres
-async def test_refused_while_the_server_runs(server: Path, tmp_path: Path, pg_url: str) -> None:
+async def test_refused_while_the_server_runs(
+    server: Path, tmp_path: Path, postgres_database: str, stand_ins: StandIns
+) -> None:
     old_config = server.read_bytes()
     dest = tmp_path / "b.db"
 
+    # A server that is not the unit (`--service`): it cannot be stopped here.
     with lock_held_elsewhere(tmp_path / "state") as holder:
         backup = llmgw_store("backup", dest, "--config", server)
-        move = llmgw_store("migrate-to-postgres", "--url", pg_url, "--config", server)
+        move = llmgw_store("migrate-to-postgres", "--url", postgres_database, "--config",
+                           server, env=stand_ins.env())
 
     stop_first = (
         f"the llmgw server using {tmp_path}/state is running (pid {holder.pid}); "
@@ -246,4 +181,35 @@ async def test_refused_while_the_server_runs(server: Path, tmp_path: Path, pg_ur
     assert move.stderr.strip() == f"llmgw store migrate-to-postgres: {stop_first}"
     assert server.read_bytes() == old_config
     assert not list(tmp_path.glob("server.yaml.*"))
-    assert await pg_tables(pg_url) == set()
+    assert await pg_tables(postgres_database) == set()
+
+
+@pytest.mark.postgres
+def test_a_password_is_not_written_where_everyone_reads(
+    server: Path, tmp_path: Path, postgres_database: str, stand_ins: StandIns
+) -> None:
+    server.chmod(0o644)
+    with_password = postgres_database.replace("postgres@", "postgres:secret@")
+
+    done = llmgw_store("migrate-to-postgres", "--url", with_password, "--config", server,
+                       env=stand_ins.env())
+
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"llmgw store migrate-to-postgres: {server} is readable by every user (mode 644) "
+        f"and would hold the database password: run `chmod o-rwx {server}` (the server's "
+        "group may keep reading it), then run this again"
+    )
+    assert "secret" not in done.stdout + done.stderr
+    assert stand_ins.calls() == []
+    assert not list(tmp_path.glob("server.yaml.*"))
+
+
+def test_the_install_options_go_with_install(server: Path, stand_ins: StandIns) -> None:
+    done = llmgw_store("migrate-to-postgres", "--url", "postgresql://db/x", "--role", "r",
+                       "--port", "5433", "--config", server, env=stand_ins.env())
+
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "llmgw store migrate-to-postgres: --role, --port: only with --install, not with --url"
+    )
