@@ -22,7 +22,7 @@ from llmgw.server.controller import Controller
 from llmgw.server.errors import refusals
 from llmgw.server.leadership import Leadership
 from llmgw.server.openai.router import Router
-from llmgw.store import Store
+from llmgw.store import Store, StoreUnavailable
 
 
 class ShardView(msgspec.Struct):
@@ -111,7 +111,10 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
     if controller.leading():
         sessions = controller.sessions.all()
     else:
-        sessions = [session_of_record(r) for r in await store.list_nodes()]
+        try:
+            sessions = [session_of_record(r) for r in await store.list_nodes()]
+        except StoreUnavailable:
+            sessions = []  # the leader's records are out of reach: none to show
     nodes = [node_view(s, controller.replicas.values()) for s in sessions]
     replicas = [_replica_view(r, in_flight, r.reason)
                 for r in sorted(controller.replicas.values(), key=lambda r: r.id)]
@@ -131,12 +134,15 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
             unplaced=controller.unplaced.get(m.name)))
     logins = Logins(tracked_addresses=len(throttle), throttle_capacity=throttle.capacity,
                     **hasher.stats())
-    lease = await store.leader()
+    try:
+        lease, servers_seen = await store.leader(), await store.list_servers()
+    except StoreUnavailable:  # as last read: status answers from memory
+        lease, servers_seen = leadership.leader, []
     leader = (LeaderView(lease.holder, lease.address, lease.term, lease.since)
               if lease is not None and lease.live else None)
     servers = [ServerView(s.name, s.address, s.live, s.since,
                           leader is not None and s.name == leader.name)
-               for s in await store.list_servers()]
+               for s in servers_seen]
     return Status(nodes=nodes, replicas=replicas, models=models, logins=logins,
                   leader=leader, answered_by=leadership.name, servers=servers)
 
