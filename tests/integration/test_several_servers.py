@@ -63,6 +63,19 @@ def test_one_server_leads_and_both_route_to_what_it_placed(two_servers):
     followed = wait_for(lambda: second.ready_replicas(MODEL), 5,
                         "the follower to read the leader's replica table")
     assert [r["id"] for r in followed] == [replica["id"]]
+
+    # Scaled through the follower: the leader reads the change from the store. How long a
+    # change takes to reach the follower's routing: from when the leader has the second
+    # replica ready to when the follower routes to it.
+    scaled = second.admin("PATCH", f"/api/models/{MODEL}", json={"replicas": 2})
+    assert scaled.status_code == 200, scaled.text
+    ready_on_leader = wait_for(lambda: len(first.ready_replicas(MODEL)) == 2
+                               and time.monotonic(), 20, "a second replica on the leader",
+                               every_s=0.02)
+    wait_for(lambda: len(second.ready_replicas(MODEL)) == 2, 5,
+             "the follower to route to the second replica", every_s=0.02)
+    print(f"FIGURE follower_routing_delay = {time.monotonic() - ready_on_leader:.2f} s "
+          f"(follow_interval_s {CONTROLLER['follow_interval_s']})")
     node = wait_for(lambda: next((n for n in second.status()["nodes"]
                                   if n["id"] == "node-a"), None), 5,
                     "the follower to show node-a as the leader recorded it")
