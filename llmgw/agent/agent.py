@@ -267,7 +267,9 @@ class Agent:
     async def _connect_forever(self) -> None:
         attempt = 0
         servers = self.config.servers
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
+        # sock_read bounds the wait for the upgrade's answer: a paused server's kernel
+        # still accepts the connection, and would otherwise hold the agent forever.
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10, sock_read=10)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             while True:
                 server = servers[attempt % len(servers)]
