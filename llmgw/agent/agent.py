@@ -318,7 +318,8 @@ class Agent:
             welcome = wire.decode_down(await self._receive(ws))
             if not isinstance(welcome, wire.Welcome):
                 raise StreamRefused(f"expected a welcome, got {type(welcome).__name__}")
-            self._term = max(self._term, welcome.term)
+            # Term 0: a server of a release that elects no leader, the only one there is.
+            self._term = max(self._term, welcome.term) if welcome.term else 0
             log.info("registered with %s as %s (%s)%s", server, self.node_id, self.address,
                      f", leader's term {welcome.term}" if welcome.term else "")
             tasks = [asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s)),

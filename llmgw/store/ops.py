@@ -491,6 +491,12 @@ async def _check_source_at_head(src: AsyncConnection, path: Path) -> None:
     head = migrate.head_revision()
     if revision is None:
         raise StoreError(f"{path} is not an llmgw store (it has no schema revision)")
+    if revision not in migrate.known_revisions():
+        raise StoreError(
+            f"the SQLite store {path} is at schema revision {revision}, which this llmgw "
+            f"(at {head}) does not know: a newer llmgw migrated it; run the move with that "
+            "llmgw"
+        )
     if revision != head:
         raise StoreError(
             f"the SQLite store {path} is at schema revision {revision}, this llmgw's is "
