@@ -330,9 +330,10 @@ class Controller:
                             action.reason)
                 self.backoffs[replica.model] = reconcile.after_failure(
                     self.backoffs.get(replica.model, reconcile.Backoff()), now, self.policy)
-            elif replica.state is ReplicaState.READY:
+            elif replica.state is ReplicaState.READY and self._all_lost(replica):
                 # Its node is lost, not necessarily its engine: routed to while the engine
-                # answers, until the replacement placed now serves.
+                # answers, until the replacement placed now serves. (Not a replica with a
+                # shard on a node still here: a rank is gone, and it cannot serve.)
                 log.warning("replica %s of %s is placed again: %s; it is routed to while "
                             "its engine answers, until the new one serves", replica.id,
                             replica.model, action.reason)
@@ -383,6 +384,10 @@ class Controller:
                 self.replicas[replica.id] = fail(
                     self.replicas[replica.id], f"node {shard.node_id} disconnected before start")
                 self.wake()
+
+    def _all_lost(self, replica: Replica) -> bool:
+        return all((session := self.sessions.get(shard.node_id)) is None
+                   or session.state is NodeState.LOST for shard in replica.shards)
 
     def _stop_shards(self, replica: Replica, reason: str, now: float) -> None:
         """Ask every live shard to stop, and hold the replica's GPUs and ports until they
