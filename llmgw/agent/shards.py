@@ -137,7 +137,8 @@ class ShardSupervisor:
             log.info("refusing to stop %s: epoch %d is older than %d", unit, msg.epoch,
                      record.epoch)
             return
-        log.info("stopping %s: %s", unit, msg.reason or "asked by the control plane")
+        log.info("stopping %s (epoch %d, leader's term %d): %s", unit, msg.epoch, msg.term,
+                 msg.reason or "asked by the control plane")
         self._spawn(self._stop(unit, msg))
 
     async def stop_all(self) -> None:
@@ -241,7 +242,8 @@ class ShardSupervisor:
             await self._stop_sidecars(unit)
             self._report(self._status(record, "failed", detail=str(err)))
             return None
-        log.info("started %s (pid %d): %s", unit, record.pid, " ".join(launch.argv))
+        log.info("started %s (pid %d), epoch %d, leader's term %d: %s", unit, record.pid,
+                 msg.epoch, msg.term, " ".join(launch.argv))
         self._records[unit] = record
         return record
 

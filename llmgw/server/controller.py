@@ -89,8 +89,10 @@ class Controller:
         self.engines_sent: dict[str, list[wire.EngineWanted]] = {}
         for problem in settings_problems(self.settings):
             log.warning("server.yaml: %s", problem)
-        # Leadership (set by the server; a controller alone leads, unfenced).
+        # Leadership (set by the server; a controller alone leads, unfenced). Holding the
+        # lead: from taking the lease until deposed, even while not sure of it.
         self.term: int | None = None
+        self.holds_lead = True
         self.leading: Callable[[], bool] = lambda: True
         self.not_leading: Callable[[], str] = lambda: "this server does not lead"
         self.follow_interval_s = follow_interval_s
@@ -105,6 +107,9 @@ class Controller:
         # and those of them whose last check failed (server/probe.py).
         self.unsure: frozenset[str] = frozenset()
         self.probe_failed: frozenset[str] = frozenset()
+        # Ready replicas whose node re-registered saying "starting": its agent restarted
+        # and has not checked the engine yet. Kept routed, checked by the probe meanwhile.
+        self._unconfirmed: set[str] = set()
         self._published: dict | None = None
 
     # --- the loop --------------------------------------------------------------------------
@@ -143,14 +148,15 @@ class Controller:
         """This server leads from now, in ``term``: it plans from the next pass on,
         starting from the replica table it followed (or read at its start)."""
         self.term = term
+        self.holds_lead = True
         self._taking_over = True
         self.wake()
 
     def deposed(self, reason: str) -> None:
         """Another server leads: stop planning, and send this server's nodes to it."""
-        if self.term is None:
+        if not self.holds_lead:
             return
-        self.term = None
+        self.term, self.holds_lead = None, False
         closed = self.sessions.forget_all(Close(
             CLOSE_NOT_LEADER, "this server no longer leads the cluster; dial another"))
         log.warning("following from now (%s); closed %d agent stream(s) so that their "
@@ -158,6 +164,7 @@ class Controller:
         self.releasing.clear()
         self.engines_sent.clear()
         self._unrecorded.clear()
+        self._unconfirmed.clear()
         self._expected = set()
         self._published = None
         self.wake()
@@ -294,6 +301,7 @@ class Controller:
 
     def _unsure(self) -> Iterator[str]:
         yield from self.orphans
+        yield from self._unconfirmed
         for replica in self.replicas.values():
             for shard in replica.shards:
                 session = self.sessions.get(shard.node_id)
@@ -384,6 +392,16 @@ class Controller:
                 self.replicas[replica.id] = fail(
                     self.replicas[replica.id], f"node {shard.node_id} disconnected before start")
                 self.wake()
+
+    def _node_words(self, replica: Replica) -> str:
+        """Why this server cannot vouch for the replica through its node, in words."""
+        node = replica.shards[0].node_id if replica.shards else "its node"
+        session = self.sessions.get(node)
+        if session is not None:
+            return f"its node {node} is {session.state.value}"
+        if self.leading():
+            return f"its node {node} has not reported to this server since it took the lead"
+        return f"the leader cannot vouch for it through its node {node}"
 
     def _all_lost(self, replica: Replica) -> bool:
         return all((session := self.sessions.get(shard.node_id)) is None
@@ -527,6 +545,12 @@ class Controller:
             if existing is not None and existing.shard(running.rank) is not None:
                 old = existing.shard(running.rank)
                 shard = replace(shard, gpus=old.gpus)
+                if (old.state == "ready" and running.state == "starting"
+                        and existing.epoch == running.epoch):
+                    # Its agent restarted and has not checked the engine yet: a ready
+                    # engine is not taken out of routing for that (the probe checks it).
+                    shard = replace(shard, state="ready")
+                    self._unconfirmed.add(running.replica)
             self.replicas[running.replica] = adopt(
                 existing, replica_id=running.replica, model=running.model,
                 profile=running.profile, epoch=running.epoch, world_size=running.world_size,
@@ -549,6 +573,7 @@ class Controller:
             log.warning("%s reported rank %d of %s, which is not placed there; ignored",
                         node_id, msg.rank, msg.replica)
             return
+        self._unconfirmed.discard(msg.replica)
         updated = apply_status(replica, rank=msg.rank, epoch=msg.epoch, state=msg.state,
                                now=now, port=msg.port, detail=msg.detail,
                                output_tail=tuple(msg.output_tail))
@@ -637,11 +662,11 @@ class Controller:
         if model in self.unplaced:
             return self.unplaced[model]
         mine = [r for r in self.replicas.values() if r.model == model]
-        unanswered = [r.id for r in (*mine, *self.orphans.values())
+        unanswered = [r for r in (*mine, *self.orphans.values())
                       if r.model == model and r.id in self.probe_failed]
         if unanswered:
-            return (f"{', '.join(unanswered)} did not answer this server's health check, "
-                    "and its node has not reported to this server")
+            return "; ".join(f"{r.id} did not answer this server's health check, and "
+                             f"{self._node_words(r)}" for r in unanswered)
         if not mine:
             return "no replica is placed yet"
         return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
