@@ -197,6 +197,7 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     leadership.on_deposed(controller.deposed)
     leadership.on_servers(lambda _: controller.changed())
     controller.leading = leadership.leads
+    controller.holds_lead = False  # until leadership.start() takes the lease
     controller.not_leading = lambda: (f"{name} does not lead the cluster; "
                                       f"{leadership.describe_leader()}")
     controller.servers = leadership.servers_up

@@ -108,7 +108,7 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
                  hasher: NamedDependency[PasswordHasher], store: NamedDependency[Store],
                  leadership: NamedDependency[Leadership]) -> Status:
     in_flight = router.in_flight()
-    if controller.leading():
+    if controller.holds_lead:  # even while not sure of its lease
         sessions = controller.sessions.all()
     else:
         try:

@@ -104,8 +104,10 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
             f"registered as {msg.node_id!r}; a node speaks only for itself: set node_id in "
             f"agent.yaml to {identity.node!r}, or join as {msg.node_id!r}")
 
-    if not controller.leading():
+    if not controller.holds_lead:
         # Commands come from the leader only: the agent dials the next server it knows.
+        # (A leader not sure of its lease, cut off from the store, still takes its nodes:
+        # it sends nothing until it is sure again, and closes them if it was deposed.)
         return await refuse(socket, peer, CLOSE_NOT_LEADER, controller.not_leading())
     session, connection = await controller.node_registered(msg, time.time())
     outbox = session.outbox
