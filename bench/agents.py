@@ -42,6 +42,7 @@ from rich.table import Table
 
 from bench.gateway import cpu_ns, free_port, spawn, stop
 from llmgw import wire
+from llmgw.agent.agent import SERVER_SILENCE_S
 from llmgw.server.auth import load_or_create_admin_token
 
 console = Console(width=140)
@@ -100,7 +101,8 @@ class Agents:
         phase = self.heartbeat_s * i / self.count
         while True:
             with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                async with self.http.ws_connect(self.url, heartbeat=None) as ws:
+                # Pinging a silent server as the real agent does.
+                async with self.http.ws_connect(self.url, heartbeat=SERVER_SILENCE_S) as ws:
                     await ws.send_bytes(wire.encode(register))
                     welcome = await ws.receive(timeout=120)
                     if welcome.type is aiohttp.WSMsgType.BINARY:

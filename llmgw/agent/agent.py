@@ -48,7 +48,7 @@ _HEALTHY_SESSION_S = 10.0
 # With nothing heard from the server for this long, ping it; no pong within half as long
 # and the stream is given up. A server that is paused (SIGSTOP, a frozen VM) keeps its
 # socket open: without this its nodes would wait on it, not fail over to the others.
-_SERVER_SILENCE_S = 8.0
+SERVER_SILENCE_S = 8.0
 # How often a connected agent looks at its certificate's remaining lifetime.
 _RENEW_CHECK_S = 300.0
 
@@ -306,7 +306,7 @@ class Agent:
         context = client_context(tls) if tls is not None else None
         await asyncio.to_thread(self._route)
         inventory = await asyncio.to_thread(self.inventory)
-        async with http.ws_connect(url, heartbeat=_SERVER_SILENCE_S, max_msg_size=16 * 2**20,
+        async with http.ws_connect(url, heartbeat=SERVER_SILENCE_S, max_msg_size=16 * 2**20,
                                    ssl=context if context is not None else True) as ws:
             # Queue reports from before the Register snapshot is taken, so that a shard
             # turning ready in between is reported after it, not lost.
