@@ -1,0 +1,1 @@
+"""Chaos tests: real clusters made to fail on purpose, each with its figure."""
