@@ -624,6 +624,16 @@ class Controller:
         for listener in self._listeners:
             listener(self)
 
+    def expecting(self, model: str) -> bool:
+        """Whether a ready replica of ``model`` may come soon, so that a request is better
+        kept waiting than refused: this leader still hears from its nodes after it
+        started or took the lead, or a replica of the model stopped answering this
+        server's check (its node may come back, or its replacement be ready)."""
+        if self._expected and self.clock() < self._settle_until:
+            return True
+        return any(r.model == model and r.id in self.probe_failed
+                   for r in (*self.replicas.values(), *self.orphans.values()))
+
     def set_probe_failed(self, failed: frozenset[str]) -> None:
         if failed != self.probe_failed:
             self.probe_failed = failed

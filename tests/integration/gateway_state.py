@@ -29,11 +29,12 @@ def gateway_state(model: str, router: Router, pool,
                   gateway: Gateway | None = None) -> SimpleNamespace:
     """What ``routes`` reads of its ``GatewayContext``: ``model`` declared (on the sim
     engine), no API keys required, no replica known to the controller (the router holds
-    the replicas); ``gateway`` settings as given, else the defaults."""
+    the replicas) nor on its way; ``gateway`` settings as given, else the defaults."""
     models = [msgspec.convert({"name": model, "profiles": [{"engine": "sim"}]}, Model)]
     controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
                                  sessions=NodeSessions(Timeouts()),
-                                 why_not_ready=lambda model: "no replica is ready")
+                                 why_not_ready=lambda model: "no replica is ready",
+                                 expecting=lambda model: False)
     return SimpleNamespace(router=router, upstream=pool, controller=controller,
                            config=SimpleNamespace(gateway=gateway or Gateway(),
                                                   auth=SimpleNamespace(require_api_key=False)),

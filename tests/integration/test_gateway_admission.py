@@ -8,6 +8,7 @@ import asyncio
 import random
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
 
 from llmgw.core.usage import Limits
@@ -113,3 +114,33 @@ def test_a_model_with_no_ready_replica_waits_and_the_task_path_gets_none():
     state = _state()
     assert decide(state, _ask()) is Wait.SLOT
     assert asyncio.run(admit(state, _ask())) is None
+
+
+def test_a_request_waits_for_a_replica_on_its_way_and_goes_when_it_is_ready():
+    async def run() -> tuple[Lease | None, float]:
+        state = _state()
+        state.controller.expecting = lambda model: True
+        began = asyncio.get_running_loop().time()
+        waiting = asyncio.create_task(admit(state, _ask()))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        state.router.update({MODEL: [("r0", "127.0.0.1", 1000, 1)]})
+        lease = await waiting
+        return lease, asyncio.get_running_loop().time() - began
+
+    lease, waited = asyncio.run(run())
+    assert lease is not None and lease.replica == "r0" and 0.05 <= waited < 1
+    lease.release()
+
+
+def test_a_replica_that_does_not_come_within_the_queue_wait_leaves_the_request_to_a_503():
+    async def run() -> tuple[Lease | None, float]:
+        state = _state()
+        state.config.gateway = msgspec.structs.replace(state.config.gateway,
+                                                       queue_wait_s=0.3)
+        state.controller.expecting = lambda model: True
+        began = asyncio.get_running_loop().time()
+        return await admit(state, _ask()), asyncio.get_running_loop().time() - began
+
+    lease, waited = asyncio.run(run())
+    assert lease is None and 0.3 <= waited < 1.3

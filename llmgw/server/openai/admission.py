@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,7 @@ class Ask:
     replicas that did not take it, and why)."""
 
     __slots__ = ("_affinity", "admitted", "body", "content_type", "head", "key", "kind",
-                 "model", "path", "refusals", "stream", "tried")
+                 "model", "path", "refusals", "replica_due", "stream", "tried")
 
     def __init__(self, path: str, kind: str, head: Head, body: bytes, content_type: bytes,
                  key: ApiKeyRecord | None) -> None:
@@ -97,6 +98,8 @@ class Ask:
         self.admitted = key is None or not key.limits.any
         self.tried: set[str] = set()
         self.refusals: list[str] = []
+        # Until when it may wait for a replica on its way (monotonic); see admit().
+        self.replica_due: float | None = None
         self._affinity: bytes | bool | None = False  # False: not worked out yet
 
     def affinity(self, router: Router) -> bytes | None:
@@ -166,13 +169,31 @@ async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
             router = state.router
             affinity = ask.affinity(router) if state.config.gateway.affinity else None
             try:
-                return await router.acquire(ask.model, affinity, exclude=ask.tried)
+                lease = await router.acquire(ask.model, affinity, exclude=ask.tried)
             except Saturated as err:
                 state.metrics.refused(ask.model, err.code)
                 raise ApiError(429, str(err), code=err.code,
                                headers={"retry-after": str(err.retry_after_s)}) from None
+            if lease is not None or not await _replica_on_its_way(state, ask):
+                return lease
         else:
             raise decision
+
+
+async def _replica_on_its_way(state: GatewayContext, ask: Ask) -> bool:
+    """With no replica to take the request: when one is on its way (the controller says
+    so), wait for the routing table to change, within ``gateway.queue_wait_s`` in all,
+    and say whether to ask again. A slow answer rather than a 503 while a restarted
+    server hears from its nodes, or while an engine that stopped answering this server is
+    replaced or comes back."""
+    now = time.monotonic()
+    if ask.replica_due is None:
+        ask.replica_due = now + state.config.gateway.queue_wait_s
+    left = ask.replica_due - now
+    if left <= 0 or not state.controller.expecting(ask.model):
+        return False
+    await state.router.changed(left)
+    return True
 
 
 def no_replica(state: GatewayContext, ask: Ask) -> ApiError:

@@ -18,6 +18,7 @@ Everything here runs on the event loop thread: the counts need no lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import weakref
@@ -181,10 +182,17 @@ class Router:
         self.retry_after_s = retry_after_s
         self._rng = rng or random.Random()
         self._pools: dict[str, _Pool] = {}
+        self._updated = asyncio.Event()  # set (and made anew) at each update()
         # Replicas that left the table with leases still out, so that one coming back
         # (a brief health-check failure) keeps its count. Gone with their last lease.
         self._departed: weakref.WeakValueDictionary[str, Endpoint] = (
             weakref.WeakValueDictionary())
+
+    async def changed(self, timeout_s: float) -> None:
+        """Wait until the table is next replaced, at most ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._updated.wait()
 
     def update(self, ready: Mapping[str, Iterable[tuple]]) -> None:
         """Replace the table: per model, ``(replica, address, port)`` or
@@ -224,6 +232,9 @@ class Router:
         for pool in pools.values():
             if pool.waiters:
                 pool.drain(self._rng)
+        # Wake whoever waits for a change (a new event for the next one).
+        self._updated.set()
+        self._updated = asyncio.Event()
 
     def pick(self, model: str, affinity_key: str | bytes | None = None,
              exclude: Collection[str] = ()) -> Lease | None:
