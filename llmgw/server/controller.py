@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -173,30 +173,28 @@ class Controller:
         """Start from the stored replica table: what was ready is routed to at once."""
         table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
         if table is not None:
-            self._take_table(table)
+            # Nothing this server heard of its nodes yet: all of it is checked by the probe.
+            self._take_table(table, unsure=[*(r.id for r in table.replicas),
+                                            *(r.id for r in table.orphans)])
             log.info("routing from the stored replica table (term %d): %d replica(s), "
                      "%d ready, checked by this server until their nodes report",
                      table.term, len(table.replicas),
                      sum(1 for r in table.replicas if r.state is ReplicaState.READY))
 
-    def _take_table(self, table: replica_table.ReplicaTable) -> None:
+    def _take_table(self, table: replica_table.ReplicaTable, unsure: Iterable[str]) -> None:
         self.replicas = {r.id: r for r in table.replicas}
         self.orphans = {r.id: r for r in table.orphans}
-        # Nothing this server heard of its nodes: all of it is checked by the probe.
-        self.unsure = frozenset([*self.replicas, *self.orphans])
+        self.unsure = frozenset(unsure)
         self.unplaced = dict(table.unplaced)
+        self.changed()
 
     async def follow(self) -> None:
         """A follower's pass: the leader's table and the catalog as the store has them."""
         await self._refresh_desired()
         table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
-        if table is not None and replica_table.encode(table) != self._published:
-            self._published = replica_table.encode(table)
-            self.replicas = {r.id: r for r in table.replicas}
-            self.orphans = {r.id: r for r in table.orphans}
-            self.unsure = frozenset(table.unsure)
-            self.unplaced = dict(table.unplaced)
-            self.changed()
+        if table is not None and (encoded := replica_table.encode(table)) != self._published:
+            self._published = encoded
+            self._take_table(table, unsure=table.unsure)
 
     async def _refresh_desired(self) -> None:
         """Models and drains may be changed through any server: read them each pass."""

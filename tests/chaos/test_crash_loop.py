@@ -11,10 +11,10 @@ import time
 from tests.chaos.measure import figure, timed_lines
 from tests.integration.cluster import wait_for
 
-INITIAL_S, MAX_S = 1.0, 4.0
+INITIAL_S, MAX_S = 1.0, 2.0
 INTERVAL_S = 0.5  # the controller's pass: a placement comes at the first pass once due
 LATE_S = INTERVAL_S + 0.7  # and that pass may run late on a loaded machine
-FAILURES = 5  # four waits: 1, 2, 4 and 4 s, the last two at the cap
+FAILURES = 5  # four waits: 1, 2, 2 and 2 s: doubled once, then at the cap
 CRASHING = {"name": "sim-crash", "replicas": 1,
             "profiles": [{"engine": "sim", "args": ["--no-such-flag"]}]}
 

@@ -1,8 +1,10 @@
-"""Engines keep serving while their agent crashes and comes back, with either runtime.
+"""Engines keep serving while their agent crashes and comes back, on systemd units.
 
-A real agent runs a sim engine; it is killed with SIGKILL ten times and started again
-each time. The engine's PID never changes, and a chat request through the gateway is
-answered after every restart (and while the agent is down).
+A real agent runs a sim engine as a transient unit of a systemd manager the tests run;
+it is killed with SIGKILL ten times and started again each time. The engine's PID never
+changes, and a chat request through the gateway is answered after every restart (and
+while the agent is down). The same with plain processes, under load, is
+tests/chaos/test_agent_kills.py.
 """
 
 from __future__ import annotations
@@ -10,38 +12,23 @@ from __future__ import annotations
 import asyncio
 
 import openai
-import pytest
 
-from llmgw.agent.runtime import ProcessRuntime, SystemdRuntime
+from llmgw.agent.runtime import SystemdRuntime
 from tests.integration.cluster import wait_for
 
 
-@pytest.fixture(params=["process", "systemd"])
-def runtime_settings(request) -> dict:
-    if request.param == "process":
-        return {"runtime": "process"}
-    manager = request.getfixturevalue("systemd_manager")
-    return {"runtime": "systemd", "systemd_bus": manager.address}
-
-
-def test_ten_agent_crashes_leave_the_engine_serving(make_cluster, runtime_settings):
+def test_ten_agent_crashes_leave_the_engine_serving(make_cluster, systemd_manager):
     c = make_cluster()
     c.start_server()
-    agent = c.add_agent("node-a", **runtime_settings)
+    agent = c.add_agent("node-a", runtime="systemd", systemd_bus=systemd_manager.address)
     [replica] = c.wait_ready("sim-small")
-    runtime = runtime_settings["runtime"]
-    log_line = ("runtime: systemd transient units" if runtime == "systemd"
-                else "runtime: plain processes (runtime: process in agent.yaml)")
-    assert log_line in agent.log.read_text()
+    assert "runtime: systemd transient units" in agent.log.read_text()
     client = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=c.api_key, max_retries=0,
                            timeout=10)
 
     def engine_pid() -> int:
         # What a restarted agent would find: the runtime's own listing.
-        if runtime == "systemd":
-            lister = SystemdRuntime(runtime_settings["systemd_bus"], agent.state_dir)
-        else:
-            lister = ProcessRuntime(agent.state_dir)
+        lister = SystemdRuntime(systemd_manager.address, agent.state_dir)
         [record] = asyncio.run(lister.running())
         assert record.replica == replica["id"]
         return record.pid
