@@ -8,8 +8,8 @@ Against one ``llmgw server`` on SQLite with no models, for each N it measures:
 - cold start: the time until all N were welcomed;
 - steady state over ``--steady-s``: the server's CPU (% of one core, from /proc) and RSS
   per agent (over the server's RSS with no agent), and the event loop's stalls, seen as
-  the latency of ``/healthz`` polled every 50 ms (max and p99: a request waits behind a
-  pass as a heartbeat does);
+  the latency of ``/healthz`` polled every 50 ms by a process of its own (max and p99: a
+  request waits behind a pass as a heartbeat does);
 - nodes the server called unreachable although every agent kept sending (``/api/status``
   at the end of the steady state);
 - a server restart (SIGTERM, the same store): the time until all N were welcomed again,
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import shutil
 import statistics
@@ -123,17 +124,13 @@ class Agents:
 
 
 async def healthz_waits(base: str, seconds: float) -> list[float]:
-    """Latency of /healthz polled every 50 ms for ``seconds``, in ms."""
-    waits = []
-    async with aiohttp.ClientSession() as http:
-        until = time.monotonic() + seconds
-        while time.monotonic() < until:
-            began = time.perf_counter()
-            async with http.get(base + "/healthz") as resp:
-                await resp.read()
-            waits.append((time.perf_counter() - began) * 1000)
-            await asyncio.sleep(0.05)
-    return waits
+    """Latency of /healthz polled every 50 ms for ``seconds``, in ms, by a process of its
+    own (bench/healthz_poll.py): not behind this busy one's loop."""
+    poller = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.healthz_poll", base, str(seconds),
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await poller.communicate()
+    return json.loads(out)
 
 
 async def unreachable(base: str, token: str) -> int:

@@ -111,6 +111,7 @@ class Controller:
         # and has not checked the engine yet. Kept routed, checked by the probe meanwhile.
         self._unconfirmed: set[str] = set()
         self._published: dict | None = None
+        self._desired_due = 0.0  # when the leader next reads the models and drains
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -190,29 +191,34 @@ class Controller:
 
     async def follow(self) -> None:
         """A follower's pass: the leader's table and the catalog as the store has them."""
-        await self._refresh_desired()
+        self._apply_desired(*await self._read_desired())
         table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
         if table is not None and (encoded := replica_table.encode(table)) != self._published:
             self._published = encoded
             self._take_table(table, unsure=table.unsure)
 
-    async def _refresh_desired(self) -> None:
-        """Models and drains may be changed through any server: read them each pass."""
+    async def _read_desired(self) -> tuple[Catalog, set[str]]:
+        """Models and drains as the store has them: any server's admin API changes them."""
         catalog = catalog_of(await entries(self.store, self.settings))
+        return catalog, set(await self.store.get_setting(DRAINING_SETTING, []))
+
+    def _apply_desired(self, catalog: Catalog, draining: set[str]) -> None:
         if catalog != self.catalog:
             self.catalog = catalog
             log.info("catalog (as stored): %s", ", ".join(
                 f"{m.name} x{m.replicas}" for m in catalog.models) or "no models")
-        draining = set(await self.store.get_setting(DRAINING_SETTING, []))
         for node_id in draining ^ self.sessions.draining:
             self.sessions.set_draining(node_id, node_id in draining)
 
-    async def _publish(self) -> None:
-        """Write the replica table for followers and for this server's next start."""
-        table = replica_table.encode(replica_table.ReplicaTable(
+    def _table(self) -> dict:
+        return replica_table.encode(replica_table.ReplicaTable(
             term=self.term or 0, replicas=list(self.replicas.values()),
             orphans=list(self.orphans.values()), unsure=sorted(self.unsure),
             unplaced=self.unplaced))
+
+    async def _publish(self, table: dict) -> None:
+        """Write the replica table, as a pass left it, for followers and for this server's
+        next start; unless it is what was written last."""
         if table != self._published:
             await self.store.put_setting(replica_table.SETTING, table, term=self.term)
             self._published = table
@@ -244,12 +250,18 @@ class Controller:
     async def pass_once(self) -> reconcile.Plan:
         if not self.leading():
             return reconcile.Plan()
+        # Read before the lock, at most once an interval: a pass runs at each registration,
+        # and registrations wait for the lock (a reconnect storm of thousands of nodes).
+        desired = None
+        if self.clock() >= self._desired_due:
+            desired = await self._read_desired()
+            self._desired_due = self.clock() + self.interval_s
         async with self._lock:
             if self._taking_over:
                 await self._expect_known_nodes()
                 self._taking_over = False
-            else:
-                await self._refresh_desired()
+            elif desired is not None:
+                self._apply_desired(*desired)
             now = self.clock()
             for node_id in sorted(self._unrecorded):  # seen during an outage
                 try:
@@ -279,18 +291,20 @@ class Controller:
             settling = self._settling(now)
             if settling:
                 self.unplaced = {m.name: settling for m in self.catalog.models}
-                self._after_pass()
-                await self._publish()
-                return reconcile.Plan(unplaced=self.unplaced)
-            plan = reconcile.plan(self.catalog, self.sessions.nodes(), self.replicas.values(),
-                                  self.backoffs, now, self.policy, load=self.load(),
-                                  held=[r for r, _ in self.releasing.values()])
-            for action in plan.actions:
-                await self._apply(action, now)
-            self.unplaced = dict(plan.unplaced)
+                plan = reconcile.Plan(unplaced=self.unplaced)
+            else:
+                plan = reconcile.plan(self.catalog, self.sessions.nodes(),
+                                      self.replicas.values(), self.backoffs, now, self.policy,
+                                      load=self.load(),
+                                      held=[r for r, _ in self.releasing.values()])
+                for action in plan.actions:
+                    await self._apply(action, now)
+                self.unplaced = dict(plan.unplaced)
             self._after_pass()
-            await self._publish()
-            return plan
+            table = self._table()
+        # Written after the lock: registrations need not wait for the store's write.
+        await self._publish(table)
+        return plan
 
     def _after_pass(self) -> None:
         self._forget_orphans()
