@@ -271,8 +271,7 @@ class Controller:
             for node_id, old, new in self.sessions.refresh(now):
                 log.info("node %s: %s -> %s", node_id, old.value, new.value)
                 try:
-                    await self.store.set_node_state(node_id, new.value, _utc(now),
-                                                    term=self.term)
+                    await self.store.set_node_state(node_id, new.value, _utc(now))
                 except StoreUnavailable:
                     self._unrecorded.add(node_id)  # its state too, once the store answers
                 except StoreError as err:
@@ -471,7 +470,7 @@ class Controller:
         await self.store.put_node(NodeRecord(
             id=node_id, address=msg.address, state=session.state.value,
             inventory=_inventory_dict(msg.inventory), registered_at=_utc(now),
-            last_seen_at=_utc(now)), term=self.term)
+            last_seen_at=_utc(now)))
         self._unrecorded.discard(node_id)
 
     def node_welcomed(self, node_id: str, now: float) -> None:
@@ -496,7 +495,7 @@ class Controller:
                 id=node_id, address=old.address, state=session.state.value,
                 inventory=_inventory_dict(msg.inventory),
                 registered_at=stored.registered_at if stored else _utc(now),
-                last_seen_at=_utc(now)), term=self.term)
+                last_seen_at=_utc(now)))
         except StoreUnavailable:
             self._unrecorded.add(node_id)  # written by a pass once the store answers
         self.changed()

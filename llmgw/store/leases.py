@@ -7,8 +7,9 @@ connection does: a leader that is paused (SIGSTOP, a frozen VM) keeps its connec
 and would lead forever without leading. Times are the database's own clock, so servers
 with skewed clocks still agree on when a lease has run out.
 
-Fencing: a write the controller makes carries its term (``term=`` on the store's methods),
-and its transaction first touches the lease row where the term still matches. A deposed
+Fencing: a write of what the cluster should run carries the leader's term (``term=`` on
+the store's methods), and its transaction first touches the lease row where the term
+still matches. A deposed
 leader's write finds no such row and is refused with `Fenced`; on PostgreSQL the touch
 also holds the row's lock until commit, so a takeover cannot slip in between the check
 and the write. A row per server (``server:<name>``) says which servers are alive, for
