@@ -19,8 +19,10 @@ file starts), ``chunk_delay``. Every request lands in ``log``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -221,3 +223,20 @@ class Hub:
             return response
         await response.write_eof()
         return response
+
+
+@contextlib.contextmanager
+def hub_in_thread(repos: dict[str, dict[str, bytes]], **options):
+    """The test hub on its own event loop, for tests that drive real processes."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    hub = Hub(repos, **options)
+    asyncio.run_coroutine_threadsafe(hub.__aenter__(), loop).result(10)
+    try:
+        yield hub
+    finally:
+        asyncio.run_coroutine_threadsafe(hub.__aexit__(None, None, None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

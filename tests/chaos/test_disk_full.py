@@ -19,8 +19,8 @@ import openai
 
 from llmgw.core.weights import directory_name, parse_source, weights_key
 from tests.chaos.measure import cannot, figure
+from tests.hub import hub_in_thread
 from tests.integration.cluster import Cluster, process_alive
-from tests.integration.test_node_weights import hub_in_thread
 
 SIZE = 1_500_000  # fits the 2 MiB disk alone: the free-space check before the fetch passes
 FETCHED = {"name": "sim-fetched", "replicas": 1,

@@ -4,40 +4,20 @@ places by it and shows it per fabric."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.hub import Hub
+from tests.hub import hub_in_thread
 from tests.integration.cluster import wait_for
 
 HELD = "sim-held"
-
-
-@contextlib.contextmanager
-def hub_in_thread(repos: dict[str, dict[str, bytes]], **options):
-    """The test hub on its own event loop, for tests that drive real processes."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    hub = Hub(repos, **options)
-    asyncio.run_coroutine_threadsafe(hub.__aenter__(), loop).result(10)
-    try:
-        yield hub
-    finally:
-        asyncio.run_coroutine_threadsafe(hub.__aexit__(None, None, None), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 def _llmgw(*args: str) -> subprocess.CompletedProcess:
