@@ -70,6 +70,28 @@ async def drop_database(url: str) -> None:
         await conn.close()
 
 
+async def as_admin(*statements: str) -> None:
+    """Run ``statements`` in order as the PostgreSQL admin (ADMIN_DSN)."""
+    conn = await asyncpg.connect(ADMIN_DSN, timeout=CONNECT_TIMEOUT_S)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def close_database(name: str) -> None:
+    """The database refuses new connections and its sessions are ended: to a server, its
+    store stopped answering. ``open_database`` undoes it."""
+    run_blocking(as_admin(
+        f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false',
+        f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"))
+
+
+def open_database(name: str) -> None:
+    run_blocking(as_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+
+
 async def reset_schema(url: str) -> None:
     """Empty the database: drop and recreate its public schema."""
     conn = await asyncpg.connect(_asyncpg_dsn(url), timeout=CONNECT_TIMEOUT_S)

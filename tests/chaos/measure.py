@@ -3,11 +3,8 @@ the test's output and a property in its JUnit record; times read back from llmgw
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from pathlib import Path
-
-import pytest
 
 
 def figure(record_property, name: str, value: float | int | str, unit: str = "") -> None:
@@ -25,11 +22,3 @@ def timed_lines(log: Path, *words: str) -> list[tuple[float, str]]:
             with_ms = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
             found.append((with_ms.timestamp(), line))
     return found
-
-
-def cannot(reason: str) -> None:
-    """Skip where the machine lacks what a test needs (root, network namespaces); in CI,
-    which runs as root with iproute2 and util-linux, that is a broken runner: fail."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"needed in CI: {reason}")
-    pytest.skip(reason)

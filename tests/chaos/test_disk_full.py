@@ -18,9 +18,9 @@ from pathlib import Path
 import openai
 
 from llmgw.core.weights import directory_name, parse_source, weights_key
-from tests.chaos.measure import cannot, figure
+from tests.chaos.measure import figure
 from tests.hub import hub_in_thread
-from tests.integration.cluster import Cluster, process_alive
+from tests.integration.cluster import Cluster, cannot, process_alive
 
 SIZE = 1_500_000  # fits the 2 MiB disk alone: the free-space check before the fetch passes
 FETCHED = {"name": "sim-fetched", "replicas": 1,

@@ -24,10 +24,10 @@ import time
 import openai
 import pytest
 
-from tests.chaos.measure import cannot, figure, timed_lines
+from tests.chaos.measure import figure, timed_lines
 from tests.integration.cluster import Cluster, process_alive, wait_for
 from tests.integration.load import ChatLoad
-from tests.integration.netns import Lab, LabError, Node, ip, unavailable
+from tests.integration.netns import Lab, Node, ip, lab_for_test
 
 LOST_AFTER_S = 8
 # Controller passes, the gateway's probe and a sim engine's start, on a loaded machine.
@@ -40,17 +40,8 @@ STARTED = re.compile(r"started llmgw-shard-(\S+)-e(\d+)-\d+ \(pid")
 
 @pytest.fixture
 def lab():
-    reason = unavailable()
-    if reason:
-        cannot(reason)
-    try:
-        made = Lab(2).create()
-    except LabError as err:
-        cannot(f"cannot make network namespaces: {err}")
-    try:
+    with lab_for_test(2) as made:
         yield made
-    finally:
-        made.destroy()
 
 
 @pytest.fixture

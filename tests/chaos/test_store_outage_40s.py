@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import time
 
-import asyncpg
 import httpx
 
 from tests.chaos.measure import figure, timed_lines
 from tests.integration.cluster import wait_for
 from tests.integration.load import ChatLoad
-from tests.pg import ADMIN_DSN, run_blocking
+from tests.pg import close_database, open_database
 
 OUTAGE_S = 40
 LEASE_S = 10  # controller.lease_s, its default: the leader pauses about this long in
 MODEL = "sim-two"
 NODES = ("node-a", "node-b")
-
-
-async def _admin(*statements: str) -> None:
-    conn = await asyncpg.connect(ADMIN_DSN, timeout=10)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
@@ -57,9 +47,7 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
     try:
         wait_for(lambda: load.answered_after(0) >= 3, 15, "requests to be answered")
         closed_at = time.monotonic()
-        run_blocking(_admin(
-            f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false',
-            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"))
+        close_database(name)
         # Watched through the outage, paced: the status is the controller's, in memory.
         while time.monotonic() < closed_at + OUTAGE_S:
             states |= {n["state"] for n in c.status()["nodes"]}
@@ -70,7 +58,7 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
                 not_leading_at = time.monotonic()
             time.sleep(0.5)
         opened_at = time.monotonic()
-        run_blocking(_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        open_database(name)
         wait_for(lambda: httpx.get(f"{c.base_url}/healthz", timeout=5).json()["leader"], 20,
                  "the server to lead again")
         leading_again_at = time.monotonic()

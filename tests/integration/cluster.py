@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx  # test-side only: a plain blocking client for polling; never on llmgw's path
 import psutil
+import pytest
 import yaml
 
 from llmgw import pki
@@ -59,6 +60,15 @@ def free_port_block(size: int = 20) -> tuple[int, int]:
             continue
         return low, low + size - 1
     raise RuntimeError("no block of free ports found")
+
+
+def cannot(reason: str) -> None:
+    """Skip where the machine lacks what a test needs (root, network namespaces, a mount
+    namespace); in CI (CI=true), which runs as root with iproute2 and util-linux, that is a
+    broken runner, not a reason to skip: fail."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"needed in CI: {reason}")
+    pytest.skip(reason)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1):

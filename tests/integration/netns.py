@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.integration.cluster import cannot
+
 _SUBNET_LOCK = Path("/tmp/llmgw-netns.lock")  # two labs never pick one subnet at once
 _THIRD_OCTETS = range(200, 251)
 
@@ -180,3 +182,20 @@ def parse_listening(text: str) -> Iterator[tuple[str, int]]:
             chunks = [bytes.fromhex(raw[i:i + 8])[::-1] for i in range(0, 32, 8)]
             address = str(ipaddress.IPv6Address(b"".join(chunks)))
         yield address, int(port, 16)
+
+
+@contextlib.contextmanager
+def lab_for_test(nodes: int) -> Iterator[Lab]:
+    """A lab of ``nodes`` namespaces for one test, removed after it; where namespaces
+    cannot be made, the test is skipped (failed in CI: see cluster.cannot)."""
+    reason = unavailable()
+    if reason:
+        cannot(reason)
+    try:
+        made = Lab(nodes).create()
+    except LabError as err:
+        cannot(f"cannot make network namespaces: {err}")
+    try:
+        yield made
+    finally:
+        made.destroy()

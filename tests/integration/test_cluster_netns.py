@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from tests.integration.cluster import Cluster, process_alive, wait_for
-from tests.integration.netns import Lab, LabError, Node, unavailable
+from tests.integration.netns import Lab, Node, lab_for_test
 
 LOST_AFTER_S = 8
 SLACK_S = 17  # controller passes, a crash-loop backoff, two sim engines and a rendezvous
@@ -46,27 +46,10 @@ PLACED = re.compile(r"replica (\S+) of (\S+): placed on (\S+) \((\S+)\)")
 # --- fixtures ---------------------------------------------------------------------------------
 
 
-def _cannot(reason: str) -> None:
-    """Skip where namespaces cannot be made; in CI, which runs as root with iproute2, that
-    is a broken runner, not a reason to skip."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"network namespaces are needed in CI: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def lab():
-    reason = unavailable()
-    if reason:
-        _cannot(reason)
-    try:
-        made = Lab(len(FABRICS)).create()
-    except LabError as err:
-        _cannot(f"cannot make network namespaces: {err}")
-    try:
+    with lab_for_test(len(FABRICS)) as made:
         yield made
-    finally:
-        made.destroy()
 
 
 @pytest.fixture

@@ -11,31 +11,13 @@ from __future__ import annotations
 
 import time
 
-import asyncpg
 import httpx
 
 from llmgw.server.auth.keys import key_id, new_api_key
 from tests.integration.cluster import wait_for
-from tests.pg import ADMIN_DSN, run_blocking
+from tests.pg import as_admin, close_database, open_database, run_blocking
 
 MODEL = "sim-small"
-
-
-async def _admin(*statements: str) -> None:
-    conn = await asyncpg.connect(ADMIN_DSN, timeout=10)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
-def _close(name: str) -> None:
-    """The database refuses new connections and its sessions are ended: to the server,
-    the store stopped answering."""
-    run_blocking(_admin(
-        f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false',
-        f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"))
 
 
 def _chat(c, key: str) -> httpx.Response:
@@ -58,7 +40,7 @@ def test_a_store_outage_refuses_only_what_needs_the_store_and_ends_without_a_res
     key = made.json()["key"]
     assert _chat(c, key).status_code == 200  # read now: in the key cache
 
-    _close(name)
+    close_database(name)
     # The cluster's state is the controller's, in memory: it still answers.
     assert c.admin("GET", "/api/status").status_code == 200
     # Keys are listed from the store: 503, and the outage logged once.
@@ -92,7 +74,7 @@ def test_a_store_outage_refuses_only_what_needs_the_store_and_ends_without_a_res
     assert "Traceback" not in log
 
     # The database opens again: the server answers at once, without a restart.
-    run_blocking(_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+    open_database(name)
     wait_for(lambda: c.admin("GET", "/api/keys").status_code == 200, 10,
              "the admin API to answer again")
     c.server_log_line("answers again, after")
@@ -106,7 +88,7 @@ def test_a_store_outage_refuses_only_what_needs_the_store_and_ends_without_a_res
              f"the {len(answers) + 1} requests to be recorded")
 
     # Dropped and made again, empty: a refusal saying the tables are gone, not a 500.
-    run_blocking(_admin(f'DROP DATABASE "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'))
+    run_blocking(as_admin(f'DROP DATABASE "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'))
     empty = c.admin("GET", "/api/keys")
     assert empty.status_code == 503, empty.text
     assert empty.json()["error"]["code"] == "store_schema_missing"
