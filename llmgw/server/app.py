@@ -223,7 +223,6 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         gateway.upstream = upstream = upstream_pool(config.gateway)
         with contextlib.suppress(StoreUnavailable):  # the store logged it; runs from memory
-            await controller.load_draining()
             await controller.load_table()
         await leadership.start()
         tasks = [asyncio.create_task(leadership.run(), name="leadership"),

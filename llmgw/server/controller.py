@@ -151,6 +151,7 @@ class Controller:
         self.term = term
         self.holds_lead = True
         self._taking_over = True
+        self._desired_due = 0.0  # read the models and drains at once
         self.wake()
 
     def deposed(self, reason: str) -> None:
@@ -260,7 +261,7 @@ class Controller:
             if self._taking_over:
                 await self._expect_known_nodes()
                 self._taking_over = False
-            elif desired is not None:
+            if desired is not None:
                 self._apply_desired(*desired)
             now = self.clock()
             for node_id in sorted(self._unrecorded):  # seen during an outage
@@ -598,10 +599,6 @@ class Controller:
                             "\n".join(msg.output_tail[-10:]))
             self.changed()
             self.wake()
-
-    async def load_draining(self) -> None:
-        for node_id in await self.store.get_setting(DRAINING_SETTING, []):
-            self.sessions.set_draining(node_id, True)
 
     async def set_catalog(self, catalog: Catalog) -> None:
         """Models were added, removed or scaled over the admin API: plan with them now.
