@@ -113,7 +113,7 @@ def test_nodes_list_drain_and_undrain(cluster):
     assert unknown.code == 1 and "no node 'node-zz' has registered" in unknown.err
 
 
-def test_status_shows_models_replicas_and_fabrics(cluster):
+def test_status_shows_models_replicas_fabrics_and_servers(cluster):
     status = ctl(cluster, "status", "--json").json()
     real = cluster.status()
     assert [m["name"] for m in status["models"]] == [m["name"] for m in real["models"]]
@@ -121,9 +121,12 @@ def test_status_shows_models_replicas_and_fabrics(cluster):
     assert replica["state"] == "ready" and replica["shards"][0]["node"] == "node-a"
     table = ctl(cluster, "status")
     assert table.code == 0
-    for title in ("models", "replicas", "fabrics"):
+    for title in ("models", "replicas", "fabrics", "servers"):
         assert title in table.out
     assert replica["id"] in table.out and "no fabric" in table.out
+    # The one server leads, and says it answered.
+    assert status["leader"]["name"] == status["answered_by"]
+    assert f"leads (term {status['leader']['term']}), answered this" in table.out
 
 
 def test_models_add_scale_and_remove(cluster):
