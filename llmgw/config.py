@@ -188,6 +188,30 @@ class MetricsSettings(_Config):
     token_file: str | None = None
 
 
+class Tracing(_Config):
+    """OpenTelemetry traces, sent over OTLP/HTTP (protobuf) to ``endpoint``. Absent
+    endpoint: tracing is off, every span is the no-op one and commands carry no trace
+    context."""
+
+    # The collector's traces URL, e.g. http://127.0.0.1:4318/v1/traces.
+    endpoint: str | None = None
+    # A file of `Name: value` lines sent with every export (a collector's API key).
+    headers_file: str | None = None
+    # The share of /v1 requests traced when the client sent no `traceparent`; a client's
+    # sampled `traceparent` is always honoured. The controller's and nodes' traces are
+    # rare and always kept.
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    # service.name of the spans; default llmgw-server or llmgw-agent.
+    service_name: str | None = None
+
+
+class Logging(_Config):
+    """``access: json`` writes one JSON line per /v1 request to the `llmgw.access` logger
+    (never prompt or answer text); ``off`` writes none."""
+
+    access: Literal["off", "json"] = "off"
+
+
 # The engines a node installs, by name: the one list of them (core.engine_names reads it;
 # it is written here because server.yaml's keys are checked against it as it is read).
 InstallableEngine = Literal["llama.cpp", "vllm", "sglang", "comfyui"]
@@ -269,6 +293,8 @@ class ServerConfig(_Config):
     engine_mirror: str | None = None
     engine_overrides: list[EngineOverride] = []
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    logging: Logging = msgspec.field(default_factory=Logging)
+    tracing: Tracing = msgspec.field(default_factory=Tracing)
 
 
 # --- agent.yaml ----------------------------------------------------------------------------
@@ -358,6 +384,7 @@ class AgentConfig(_Config):
     # `llmgw up` stops its engines with itself; a real node keeps them serving.
     stop_shards_on_exit: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tracing: Tracing = msgspec.field(default_factory=Tracing)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -135,6 +135,9 @@ class Register(_Struct, tag="register", tag_field="type"):
     agent_version: str = ""
     # Engines this agent knows how to install; None (an older agent) means llama.cpp only.
     installable_engines: list[str] | None = None
+    # What this agent does beyond protocol 1 (FEATURE_*): the server sends a request only
+    # to an agent that named it, as an older one would skip it unanswered.
+    features: list[str] = []
 
 
 class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
@@ -225,6 +228,9 @@ class StartShard(_Struct, tag="start_shard", tag_field="type"):
     # "address:port" of every rank, by rank.
     peers: list[str] = []
     term: int = 0  # the leader's term that sent it; see Welcome
+    # W3C trace context (traceparent, tracestate) of the span this command continues;
+    # empty when the server does not trace.
+    trace: dict[str, str] = {}
 
 
 class StopShard(_Struct, tag="stop_shard", tag_field="type"):
@@ -233,6 +239,9 @@ class StopShard(_Struct, tag="stop_shard", tag_field="type"):
     epoch: int
     reason: str = ""
     term: int = 0  # the leader's term that sent it; see Welcome
+    # W3C trace context (traceparent, tracestate) of the span this command continues;
+    # empty when the server does not trace.
+    trace: dict[str, str] = {}
 
 
 class EngineWanted(_Struct):
@@ -257,6 +266,9 @@ class InstallEngines(_Struct, tag="install_engines", tag_field="type"):
     on it are no longer reported."""
 
     engines: list[EngineWanted] = []
+    # W3C trace context (traceparent, tracestate) of the span this command continues;
+    # empty when the server does not trace.
+    trace: dict[str, str] = {}
 
 
 class Certificate(_Struct, tag="certificate", tag_field="type"):
@@ -273,14 +285,52 @@ class CertificateRefused(_Struct, tag="certificate_refused", tag_field="type"):
     reason: str
 
 
-Up = Register | Heartbeat | InventoryUpdate | ShardStatus | RenewCertificate
+# --- a shard's output, for `llmgw ctl logs` -------------------------------------------------
+
+# Register.features: the agent answers ShardLogRequest.
+FEATURE_SHARD_LOGS = "shard_logs"
+
+
+class ShardLogRequest(_Struct, tag="shard_log_request", tag_field="type"):
+    """Down: send the last ``tail_bytes`` of the shard's output (the agent sends at most
+    1 MiB), then, with ``follow``, what it writes next, until a ShardLogCancel for
+    ``request``, the shard stops, or the stream closes. Answered by ShardLog messages that
+    carry ``request``."""
+
+    request: str
+    replica: str
+    rank: int
+    tail_bytes: int = 65536
+    follow: bool = False
+
+
+class ShardLogCancel(_Struct, tag="shard_log_cancel", tag_field="type"):
+    """Down: stop sending the output asked for by ``request``."""
+
+    request: str
+
+
+class ShardLog(_Struct, tag="shard_log", tag_field="type"):
+    """Up: a piece of a shard's output (at most 64 KiB of it), for ``request``. The last
+    piece has ``done``; its ``error`` says why the output ends there, or, before any
+    output, why there is none."""
+
+    request: str
+    data: str = ""
+    done: bool = False
+    error: str = ""
+
+
+Up = (Register | Heartbeat | InventoryUpdate | ShardStatus | RenewCertificate
+      | ShardLog)
 Down = (Welcome | StartShard | StopShard | Certificate | CertificateRefused
-        | InstallEngines)
+        | InstallEngines | ShardLogRequest | ShardLogCancel)
 
 _UP_TAGS = frozenset({"register", "heartbeat", "inventory", "shard_status",
-                      "renew_certificate"})
+                      "renew_certificate", "shard_log"})
 _DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard", "certificate",
-                        "certificate_refused", "install_engines"})
+                        "certificate_refused", "install_engines", "shard_log_request",
+                        "shard_log_cancel"})
 
 _encoder = msgspec.msgpack.Encoder()
 _up_decoder = msgspec.msgpack.Decoder(Up)

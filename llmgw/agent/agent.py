@@ -30,6 +30,7 @@ from llmgw.agent.runtime import (
     SystemdRuntime,
     available,
 )
+from llmgw.agent.shard_logs import ShardLogs
 from llmgw.agent.shards import ShardSupervisor
 from llmgw.agent.weights import WeightsStore
 from llmgw.config import AgentConfig, AgentTls, ConfigError
@@ -39,6 +40,7 @@ from llmgw.core.inventory import inventory_changes
 from llmgw.core.names import is_loopback_host
 from llmgw.engines import ADAPTERS, HELPER_BINARIES
 from llmgw.files import write_atomically
+from llmgw.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +158,10 @@ class Agent:
         self._rng = random.Random()
         # The highest leader term heard: a command from an older one is refused.
         self._term = 0
+        self.tracing = Tracing(config.tracing, default_service="llmgw-agent",
+                               instance=self.node_id)
         self.weights = WeightsStore.from_config(config.weights)
+        self.weights.tracing = self.tracing
         # The inventory the control plane has: a probe that finds it changed sends it.
         self._inventory_sent: wire.Inventory | None = None
         self._probe_now = asyncio.Event()
@@ -168,9 +173,10 @@ class Agent:
             weights=self.weights,
             weights_changed=self._probe_now.set,
             health=config.shard_health,
+            tracing=self.tracing,
         )
         self.installer = EngineInstaller(config, set_binary=self.supervisor.set_binary,
-                                         changed=self._probe_now.set)
+                                         changed=self._probe_now.set, tracing=self.tracing)
 
     def _route(self) -> str:
         """The address the control plane reaches us at: configured, or the source address
@@ -239,6 +245,7 @@ class Agent:
             ports_busy=self.ports_busy(self.supervisor.own_ports()),
             agent_version=__version__,
             installable_engines=self.installer.installable(),
+            features=[wire.FEATURE_SHARD_LOGS],
         )
 
     def heartbeat(self, own_ports: set[int]) -> wire.Heartbeat:
@@ -263,6 +270,7 @@ class Agent:
                 if self.config.stop_shards_on_exit:
                     log.info("stopping every shard before exit")
                     await asyncio.shield(self.supervisor.stop_all())
+                await asyncio.shield(asyncio.to_thread(self.tracing.shutdown))
 
     async def _connect_forever(self) -> None:
         attempt = 0
@@ -322,8 +330,9 @@ class Agent:
             self._term = max(self._term, welcome.term) if welcome.term else 0
             log.info("registered with %s as %s (%s)%s", server, self.node_id, self.address,
                      f", leader's term {welcome.term}" if welcome.term else "")
+            logs = ShardLogs(self.runtime, self.supervisor.running, self._send)
             tasks = [asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s)),
-                     asyncio.create_task(self._probe_loop())]
+                     asyncio.create_task(self._probe_loop()), asyncio.create_task(logs.run())]
             if tls is not None:
                 tasks.append(asyncio.create_task(self._renew_loop(tls)))
             try:
@@ -339,6 +348,8 @@ class Agent:
                         self.supervisor.start(message)
                     elif isinstance(message, wire.StopShard):
                         self.supervisor.stop(message)
+                    elif isinstance(message, wire.ShardLogRequest | wire.ShardLogCancel):
+                        logs.handle(message)
                     elif isinstance(message, wire.InstallEngines):
                         self.installer.want(message)
                     elif isinstance(message, wire.Certificate) and tls is not None:

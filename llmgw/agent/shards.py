@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import psutil
+from opentelemetry import trace
 
 from llmgw import engines, wire
 from llmgw.agent.discovery import gpus, host
@@ -28,6 +29,7 @@ from llmgw.agent.weights import WeightsError, WeightsStore, model_path
 from llmgw.config import ShardHealth
 from llmgw.core.names import hostport, shard_unit, unbracket
 from llmgw.engines.base import gpu_env
+from llmgw.tracing import OFF, Tracing, end
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,12 @@ class ShardSupervisor:
     def __init__(self, runtime: Runtime, bind_address: str, binaries: dict[str, str],
                  report: Report, weights: WeightsStore | None = None,
                  weights_changed: Callable[[], None] = lambda: None, nvml: Any = None,
-                 health: ShardHealth | None = None):
+                 health: ShardHealth | None = None, tracing: Tracing = OFF):
         self._runtime = runtime
+        self._tracing = tracing
+        # Each starting shard's span, continuing the control plane's replica start; ended
+        # when the shard is ready, fails or is stopped.
+        self._spans: dict[str, trace.Span] = {}
         self._health = health or ShardHealth()
         self._nvml = nvml  # pynvml unless a test gives an NVML-shaped fake
         self._weights = weights
@@ -108,6 +114,10 @@ class ShardSupervisor:
                 continue
             log.info("adopting %s (pid %d) left running by an earlier agent", record.unit,
                      record.pid)
+            if self._tracing.enabled:
+                end(self._tracing.start(f"adopt {record.unit}", attributes={
+                    "llmgw.replica": record.replica, "llmgw.rank": record.rank,
+                    "llmgw.engine": record.engine, "llmgw.pid": record.pid}))
             self._records[record.unit] = record
             self._tasks[record.unit] = asyncio.create_task(self._watch(record, adopted=True))
         for unit in set(self._sidecars) - set(self._records):
@@ -178,7 +188,8 @@ class ShardSupervisor:
                 self._set(record, "fetching", detail=text)
 
             directory = await self._weights.ensure(key, profile.source, list(profile.files),
-                                                   msg.model, progress)
+                                                   msg.model, progress,
+                                                   caused_by=self._spans.get(record.unit))
             self._weights_changed()
         return str(model_path(directory, profile.engine))
 
@@ -192,13 +203,22 @@ class ShardSupervisor:
         # Reported in running() while it prepares (a fetch can take an hour), so that a
         # reconnection in between does not read as a shard gone missing.
         self._preparing[unit] = record
+        if self._tracing.enabled:
+            self._spans[unit] = self._tracing.start(
+                f"start {unit}", parent=self._tracing.context_of(msg.trace), attributes={
+                    "llmgw.replica": msg.replica, "llmgw.rank": msg.rank,
+                    "llmgw.world_size": msg.world_size, "llmgw.model": msg.model,
+                    "llmgw.engine": profile.engine, "llmgw.port": msg.port or 0,
+                    "llmgw.gpus": list(msg.gpus)})
         try:
             launched = await self._prepare_and_launch(unit, msg, record)
         finally:
             self._preparing.pop(unit, None)
             if unit not in self._records:
                 self._states.pop(unit, None)
-        if launched is not None:
+        if launched is None:
+            self._started(unit, "did not start")
+        else:
             self._set(launched, "starting")
             await self._watch(launched, adopted=False)
 
@@ -206,10 +226,14 @@ class ShardSupervisor:
                                   record: ShardRecord) -> ShardRecord | None:
         """Weights, sidecars, then the engine; the launched record, or None (reported)."""
         profile = msg.profile
+        span = self._spans.get(unit)
         try:
-            weights = await self._weights_path(record, msg)
+            with self._tracing.step("weights", span, **{
+                    "llmgw.weights_key": profile.weights_key or msg.model}):
+                weights = await self._weights_path(record, msg)
         except WeightsError as err:
             self._report(self._status(record, "failed", detail=str(err)))
+            self._started(unit, str(err))
             return None
         request = engines.ShardRequest(
             replica=msg.replica, rank=msg.rank, world_size=msg.world_size, model=msg.model,
@@ -229,18 +253,26 @@ class ShardSupervisor:
                 raise ShardStartError(
                     f"port {launch.port} is already in use by another process on this node; "
                     "the control plane will place the shard on another port")
-            await self._start_sidecars(record, msg)
+            if profile.sidecars:
+                with self._tracing.step("sidecars", span):
+                    await self._start_sidecars(record, msg)
             if launch.wait_for:
                 self._report(self._status(record, "starting", detail="waiting for "
                                           + ", ".join(launch.wait_for)))
-                if not await _all_accept(launch.wait_for, profile.startup_timeout_s):
-                    raise ShardStartError(
-                        f"{', '.join(launch.wait_for)} did not accept connections within "
-                        f"{profile.startup_timeout_s:g} s")
-            record = await self._runtime.start(record, launch.argv, launch.env)
+                with self._tracing.step("rendezvous", span,
+                                        **{"llmgw.peers": list(launch.wait_for)}):
+                    if not await _all_accept(launch.wait_for, profile.startup_timeout_s):
+                        raise ShardStartError(
+                            f"{', '.join(launch.wait_for)} did not accept connections "
+                            f"within {profile.startup_timeout_s:g} s")
+            with self._tracing.step("launch", span, **{"llmgw.argv": list(launch.argv)}
+                                    ) as step:
+                record = await self._runtime.start(record, launch.argv, launch.env)
+                step.set_attribute("llmgw.pid", record.pid)
         except (engines.EngineError, ShardStartError) as err:
             await self._stop_sidecars(unit)
             self._report(self._status(record, "failed", detail=str(err)))
+            self._started(unit, str(err))
             return None
         log.info("started %s (pid %d), epoch %d, leader's term %d: %s", unit, record.pid,
                  msg.epoch, msg.term, " ".join(launch.argv))
@@ -305,9 +337,14 @@ class ShardSupervisor:
                 # Started (and made ready) by an agent before this one, and still running.
                 ready = not exit_task.done()
             else:
-                ready = await self._until_ready(record, exit_task, startup_timeout_s)
+                with self._tracing.step("readiness", self._spans.get(record.unit),
+                                        **{"llmgw.health": self._health_address(record)}
+                                        ) as step:
+                    ready = await self._until_ready(record, exit_task, startup_timeout_s)
+                    step.set_attribute("llmgw.ready", ready)
             off_gpu = await self._gpus_not_held(record) if ready and not adopted else []
             if off_gpu:
+                self._started(record.unit, "runs on the CPU, not on its GPUs")
                 self._finish(record, f"answers its health check but holds no memory on GPU "
                              f"{', '.join(map(str, off_gpu))} (of {_indices(record.gpus)}): "
                              "it is running on the CPU; check the engine's CUDA build "
@@ -315,6 +352,9 @@ class ShardSupervisor:
                 await self._runtime.stop(record.unit)
                 return
             why = ""
+            self._started(record.unit, None if ready else (
+                "exited before it was ready" if exit_task.done()
+                else f"not ready after {startup_timeout_s:g} s"))
             if ready:
                 self._set(record, "ready")
                 unit, code, why = await self._serve(record, exit_task)
@@ -451,7 +491,27 @@ class ShardSupervisor:
         records = [*self._records.values(), *self._stopping_records.values()]
         return {r.port for r in records if r.port is not None}
 
+    def _started(self, unit: str, error: str | None) -> None:
+        """The shard is ready (``error`` None) or will not be: its start span ends."""
+        span = self._spans.pop(unit, None)
+        if span is not None:
+            end(span, error=error)
+
     async def _stop(self, unit: str, msg: wire.StopShard | None) -> None:
+        reason = (msg.reason if msg is not None else "") or "asked to stop"
+        self._started(unit, f"stopped before it was ready: {reason}")
+        if not self._tracing.enabled:
+            await self._stop_unit(unit, msg)
+            return
+        parent = self._tracing.context_of(msg.trace) if msg is not None else None
+        span = self._tracing.start(f"stop {unit}", parent=parent, attributes={
+            "llmgw.unit": unit, "llmgw.reason": reason})
+        try:
+            await self._stop_unit(unit, msg)
+        finally:
+            end(span)
+
+    async def _stop_unit(self, unit: str, msg: wire.StopShard | None) -> None:
         self._stopping.add(unit)
         record = self._records.pop(unit, None) or self._preparing.get(unit)
         if record is not None:

@@ -73,10 +73,28 @@ class Placement:
         return ports
 
 
+# What kind of thing turned a node down, for metrics and traces (a bounded label).
+REFUSAL_KINDS = ("node_state", "selector", "gpu_class", "engine", "cpu", "gpus", "ports",
+                 "fabric", "other")
+
+
+class Reason(str):
+    """A refusal's words, which also say which of REFUSAL_KINDS it is."""
+
+    kind: str
+
+    def __new__(cls, kind: str, text: str) -> Reason:
+        reason = super().__new__(cls, text)
+        reason.kind = kind
+        return reason
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     node_id: str
     reason: str
+    # One of REFUSAL_KINDS, for metrics; the words are what a refusal is compared by.
+    kind: str = field(default="other", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,27 +135,28 @@ def _free_ports(node: Node, used: frozenset[int], count: int) -> tuple[int, ...]
 def static_refusal(model: Model, profile: Profile, node: Node) -> str | None:
     """Why ``node`` can never take this profile right now, whatever else runs on it."""
     if node.state is not NodeState.READY:
-        return f"not ready ({node.state.value})"
+        return Reason("node_state", f"not ready ({node.state.value})")
     labels = dict(node.labels)
     for key, value in model.selector.labels:
         if labels.get(key) != value:
             have = f"{key}={labels[key]}" if key in labels else f"no {key} label"
-            return f"does not match the selector {key}={value} (has {have})"
+            return Reason("selector", f"does not match the selector {key}={value} (has {have})")
     if model.selector.gpu_class:
         wanted = model.selector.gpu_class.lower()
         if not any(wanted in g.name.lower() for g in node.gpus):
-            return f"has no {model.selector.gpu_class} GPU"
+            return Reason("gpu_class", f"has no {model.selector.gpu_class} GPU")
     if profile.engine in node.disabled_engines:
-        return f"{profile.engine} is disabled on this node"
+        return Reason("engine", f"{profile.engine} is disabled on this node")
     if profile.engine not in engine_names.BUILTIN:
         engine = node.engine(profile.engine)
         if engine is None:
-            return f"{profile.engine} is not installed"
+            return Reason("engine", f"{profile.engine} is not installed")
         if not engine.usable:
             words = engine.detail or engine.state
-            return f"{profile.engine} {words}" if engine.state != "installing" else words
+            return Reason("engine", f"{profile.engine} {words}"
+                          if engine.state != "installing" else words)
     if profile.require_avx2 and _slow_cpu(node):
-        return "its CPU has no AVX2, which this profile requires"
+        return Reason("cpu", "its CPU has no AVX2, which this profile requires")
     return None
 
 
@@ -166,11 +185,12 @@ def _dynamic_fit(model: Model, profile: Profile, node: Node, usage: NodeUsage,
         need = f"{profile.gpus} GPU{'s' if profile.gpus != 1 else ''}"
         if profile.gpu_memory_mib:
             need += f" with {round(profile.gpu_memory_mib / 1024, 1):g} GiB free"
-        return f"needs {need}, has {len(free)}" if node.gpus else f"needs {need}, has no GPUs"
+        return Reason("gpus", f"needs {need}, has {len(free)}" if node.gpus
+                      else f"needs {need}, has no GPUs")
     ports = _free_ports(node, usage.ports, ports_wanted)
     if not ports:
         low, high = node.port_range
-        return f"no free port left in {low}-{high}"
+        return Reason("ports", f"no free port left in {low}-{high}")
     chosen = tuple(sorted(g.index for g in free)[: profile.gpus])
     unused_after = sum(1 for g in node.gpus if g.index not in usage.gpus) - len(chosen)
     warning = None
@@ -209,7 +229,7 @@ def place_many(model: Model, profile: Profile, nodes: Iterable[Node],
     for node in sorted(nodes, key=lambda n: n.id):
         result = _fit(model, profile, node, usage.get(node.id, NodeUsage()), 1)
         if isinstance(result, str):
-            refusals.append(Refusal(node.id, result))
+            refusals.append(Refusal(node.id, result, result.kind))
         else:
             ranked.append((_rank_key(result, strategy), result))
     ranked.sort(key=lambda pair: pair[0])
@@ -226,7 +246,7 @@ def place_many(model: Model, profile: Profile, nodes: Iterable[Node],
         local[node.id] = local.get(node.id, NodeUsage()).plus(best.gpus, best.ports[:1])
         again = _dynamic_fit(model, profile, node, local[node.id], 1)
         if isinstance(again, str):
-            refusals.append(Refusal(node.id, again))
+            refusals.append(Refusal(node.id, again, again.kind))
         else:
             bisect.insort(ranked, (_rank_key(again, strategy), again), key=lambda p: p[0])
     return placements, tuple(refusals)
@@ -241,7 +261,8 @@ def _place_groups(model: Model, profile: Profile, nodes: list[Node],
     ranked: dict[str, list[tuple[tuple, _Fit]]] = {}
     for node in sorted(nodes, key=lambda n: n.id):
         if not node.fabric:
-            refusals[node.id] = "has no fabric set, needed for a multi-node replica"
+            refusals[node.id] = Reason("fabric",
+                                       "has no fabric set, needed for a multi-node replica")
             continue
         # A multi-node leader also binds its group's rendezvous port: ask for two ports,
         # and let a node with only one be a worker.
@@ -262,13 +283,13 @@ def _place_groups(model: Model, profile: Profile, nodes: list[Node],
         groups: list[tuple[tuple, str, list[_Fit]]] = []
         for fabric, members in sorted(ranked.items()):
             if len(members) < profile.nodes:
-                fabric_refusals[f"fabric {fabric}"] = (
-                    f"has {len(members)} of {profile.nodes} nodes that fit")
+                fabric_refusals[f"fabric {fabric}"] = Reason(
+                    "fabric", f"has {len(members)} of {profile.nodes} nodes that fit")
                 continue
             leader = next((f for _, f in members if len(f.ports) >= 2), None)
             if leader is None:
-                fabric_refusals[f"fabric {fabric}"] = (
-                    "no node has two free ports for the group's leader")
+                fabric_refusals[f"fabric {fabric}"] = Reason(
+                    "ports", "no node has two free ports for the group's leader")
                 continue
             workers = [f for _, f in members if f is not leader][: profile.nodes - 1]
             chosen = [leader, *workers]
@@ -298,8 +319,8 @@ def _place_groups(model: Model, profile: Profile, nodes: list[Node],
                 bisect.insort(members, (_rank_key(again, strategy), again),
                               key=lambda pair: pair[0])
         ranked[fabric] = members
-    why = [Refusal(n, r) for n, r in refusals.items()]
-    why += [Refusal(n, r) for n, r in fabric_refusals.items()]
+    why = [Refusal(n, r, r.kind) for n, r in refusals.items()]
+    why += [Refusal(n, r, r.kind) for n, r in fabric_refusals.items()]
     return placements, tuple(why)
 
 
@@ -330,7 +351,7 @@ def place_replicas(model: Model, nodes: Iterable[Node], usage: Mapping[str, Node
                     shard.gpus, placement.ports_on(shard.node_id))
         placements += got
         prefix = f"[{profile.name}] " if len(model.profiles) > 1 else ""
-        refusals.extend(Refusal(r.node_id, prefix + r.reason) for r in why)
+        refusals.extend(Refusal(r.node_id, prefix + r.reason, r.kind) for r in why)
     return placements, tuple(refusals)
 
 

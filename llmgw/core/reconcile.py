@@ -17,6 +17,7 @@ from llmgw.core.placement import (
     NodeUsage,
     Placement,
     PlacementResult,
+    Refusal,
     Strategy,
     place_model,
     place_replicas,
@@ -65,6 +66,8 @@ class Stop:
 
     replica: str
     reason: str
+    # Why, as one word: scale_down, drain or removed (traces name the action by it).
+    cause: str = field(default="removed", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,8 @@ class Plan:
     actions: tuple[Action, ...] = ()
     # Why a model has fewer replicas than it wants: placement's refusals, or the backoff.
     unplaced: Mapping[str, str] = field(default_factory=dict)
+    # Every node placement turned down, per model it could not place (all of them).
+    refusals: Mapping[str, tuple[Refusal, ...]] = field(default_factory=dict)
 
 
 def usage_of(replicas: Iterable[Replica], held: bool = False) -> dict[str, NodeUsage]:
@@ -205,6 +210,7 @@ def plan(
     load = load or {}
     actions: list[Action] = []
     unplaced: dict[str, str] = {}
+    refused: dict[str, tuple[Refusal, ...]] = {}
     gone: set[str] = set()
     # A model whose replica failed this pass waits for the next one, which sees the backoff
     # the controller records for the failure.
@@ -248,12 +254,14 @@ def plan(
         # A replica on a draining node stops once enough others serve without it.
         for replica in mine:
             if draining(replica) and ready_staying >= model.replicas:
-                actions.append(Stop(replica.id, f"node {draining(replica)} is draining"))
+                actions.append(Stop(replica.id, f"node {draining(replica)} is draining",
+                                    "drain"))
         surplus = len(staying) - model.replicas
         if surplus > 0:
             order = sorted(staying, key=lambda r: _stop_order(r, load))
             for replica in order[:surplus]:
-                actions.append(Stop(replica.id, f"scaled down to {model.replicas}"))
+                actions.append(Stop(replica.id, f"scaled down to {model.replicas}",
+                                    "scale_down"))
             continue
         wanted = -surplus
         if wanted == 0:
@@ -300,7 +308,8 @@ def plan(
             unplaced[model.name] = "making room: " + ", ".join(v.id for v in victims)
             continue
         unplaced[model.name] = PlacementResult(None, refusals).describe()
-    return Plan(tuple(actions), unplaced)
+        refused[model.name] = refusals
+    return Plan(tuple(actions), unplaced, refused)
 
 
 def _take(usage: dict[str, NodeUsage], placement: Placement) -> None:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import msgspec
+from opentelemetry import trace
 
 from llmgw import config, wire
 from llmgw.core import reconcile
@@ -32,7 +33,7 @@ from llmgw.core.catalog import Catalog
 from llmgw.core.desired_engines import desired_engines, settings_problems
 from llmgw.core.inventory import NodeState, inventory_changes, node_from_register
 from llmgw.core.names import hostport, replica_id
-from llmgw.core.placement import newly_qualified
+from llmgw.core.placement import Refusal, newly_qualified
 from llmgw.core.replicas import (
     Replica,
     ReplicaState,
@@ -44,9 +45,12 @@ from llmgw.core.replicas import (
 )
 from llmgw.server import replica_table
 from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
+from llmgw.server.agents.shard_logs import ShardLogs
 from llmgw.server.catalog import catalog_of, entries
+from llmgw.server.controller_stats import ControllerStats
 from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
 from llmgw.store.leases import Fenced
+from llmgw.tracing import OFF, Tracing, end
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,16 @@ class Controller:
         self._unconfirmed: set[str] = set()
         self._published: dict | None = None
         self._desired_due = 0.0  # when the leader next reads the models and drains
+        # Traces (the server sets its own) and what /metrics reads.
+        self.tracing: Tracing = OFF
+        self.stats = ControllerStats()
+        # `ctl logs` requests open on this server's node streams.
+        self.shard_logs = ShardLogs(self.sessions.send)
+        # Each replica's start, a span open from its placement until it serves or fails.
+        self._starts: dict[str, trace.Span] = {}
+        # Each unplaced model's refusals as last traced: a refusal is traced (and counted)
+        # when it changes, not on every pass that repeats it.
+        self._refusals_seen: dict[str, tuple[Refusal, ...]] = {}
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -169,6 +183,9 @@ class Controller:
         self._unconfirmed.clear()
         self._expected = set()
         self._published = None
+        self._refusals_seen.clear()
+        for rid in list(self._starts):
+            self._start_ended(rid, "this server no longer leads; the new leader watches it")
         self.wake()
 
     async def load_table(self) -> None:
@@ -251,6 +268,7 @@ class Controller:
     async def pass_once(self) -> reconcile.Plan:
         if not self.leading():
             return reconcile.Plan()
+        began, began_ns = time.perf_counter(), time.time_ns()
         # Read before the lock, at most once an interval: a pass runs at each registration,
         # and registrations wait for the lock (a reconnect storm of thousands of nodes).
         desired = None
@@ -297,14 +315,56 @@ class Controller:
                                       self.replicas.values(), self.backoffs, now, self.policy,
                                       load=self.load(),
                                       held=[r for r, _ in self.releasing.values()])
-                for action in plan.actions:
-                    await self._apply(action, now)
+                refused = self._new_refusals(plan)
+                span = self._pass_span(plan, refused, began_ns)
+                try:
+                    for action in plan.actions:
+                        await self._apply(action, now, span)
+                    self._trace_refusals(refused, plan, span)
+                finally:
+                    end(span)
                 self.unplaced = dict(plan.unplaced)
             self._after_pass()
             table = self._table()
         # Written after the lock: registrations need not wait for the store's write.
         await self._publish(table)
+        self.stats.pass_done(time.perf_counter() - began)
         return plan
+
+    def _new_refusals(self, plan: reconcile.Plan) -> dict[str, tuple[Refusal, ...]]:
+        """The models whose refusals differ from the last pass's; each counted once."""
+        changed = {model: refusals for model, refusals in plan.refusals.items()
+                   if self._refusals_seen.get(model) != refusals}
+        self._refusals_seen = dict(plan.refusals)
+        for refusals in changed.values():
+            for refusal in refusals:
+                self.stats.refused(refusal.kind)
+        return changed
+
+    def _pass_span(self, plan: reconcile.Plan, refused: dict, began_ns: int) -> trace.Span:
+        """A pass that does something is a trace of its own; one that changes nothing is
+        not traced at all."""
+        if not self.tracing.enabled or not (plan.actions or refused):
+            return trace.INVALID_SPAN
+        return self.tracing.start("reconcile", start_time=began_ns, attributes={
+            "llmgw.term": self.term or 0, "llmgw.actions": len(plan.actions),
+            "llmgw.nodes": len(self.sessions.nodes())})
+
+    def _trace_refusals(self, refused: dict[str, tuple[Refusal, ...]], plan: reconcile.Plan,
+                        parent: trace.Span) -> None:
+        """A model placement could not place: a span listing every node turned down."""
+        if not parent.is_recording():
+            return
+        for model, refusals in refused.items():
+            span = self.tracing.start(f"place {model}", parent=parent, attributes={
+                "llmgw.model": model, "llmgw.placed": False,
+                "llmgw.reason": plan.unplaced.get(model, ""),
+                "llmgw.candidates_refused": len(refusals)})
+            for refusal in refusals:
+                span.add_event("refused", {"llmgw.node": refusal.node_id,
+                                           "llmgw.reason": refusal.reason,
+                                           "llmgw.reason_class": refusal.kind})
+            end(span, error=f"{model} could not be placed")
 
     def _after_pass(self) -> None:
         self._forget_orphans()
@@ -340,12 +400,34 @@ class Controller:
                 self.orphans[rid] = replace(orphan, state=ReplicaState.STOPPED,
                                             reason="replaced while its node was lost")
 
-    async def _apply(self, action: reconcile.Action, now: float) -> None:
+    async def _apply(self, action: reconcile.Action, now: float,
+                     parent: trace.Span = trace.INVALID_SPAN) -> None:
         if isinstance(action, reconcile.Place):
-            await self._place(action, now)
-        elif isinstance(action, reconcile.Reap):
-            replica = self.replicas.pop(action.replica)
+            self.stats.action("place")
+            await self._place(action, now, parent)
+            return
+        replica = self.replicas.get(action.replica)
+        if replica is None:
+            return
+        kind, name = _action_kind(action, replica, self._all_lost(replica))
+        self.stats.action(kind)
+        span = (self.tracing.start(f"{name} {replica.id}", parent=parent, attributes={
+            "llmgw.model": replica.model, "llmgw.replica": replica.id,
+            "llmgw.action": name, "llmgw.reason": action.reason,
+            "llmgw.nodes": [s.node_id for s in replica.shards]})
+            if parent.is_recording() else trace.INVALID_SPAN)
+        try:
+            self._apply_to(action, replica, now, span)
+        finally:
+            end(span)
+
+    def _apply_to(self, action: reconcile.Action, replica: Replica, now: float,
+                  span: trace.Span) -> None:
+        self._start_ended(replica.id, action.reason)
+        if isinstance(action, reconcile.Reap):
+            self.replicas.pop(action.replica)
             if action.crashed:
+                self.stats.failed(replica.model)
                 log.warning("replica %s of %s failed: %s", replica.id, replica.model,
                             action.reason)
                 self.backoffs[replica.model] = reconcile.after_failure(
@@ -362,18 +444,19 @@ class Controller:
             else:
                 log.warning("replica %s of %s is placed again: %s", replica.id,
                             replica.model, action.reason)
-            self._stop_shards(replica, action.reason, now)
+            self._stop_shards(replica, action.reason, now, span)
         elif isinstance(action, reconcile.Evict):
-            replica = self.replicas.pop(action.replica)
+            self.replicas.pop(action.replica)
             log.warning("preempting replica %s of %s: %s", replica.id, replica.model,
                         action.reason)
-            self._stop_shards(replica, action.reason, now)
+            self._stop_shards(replica, action.reason, now, span)
         elif isinstance(action, reconcile.Stop):
-            replica = self.replicas.pop(action.replica)
+            self.replicas.pop(action.replica)
             log.info("stopping replica %s of %s: %s", replica.id, replica.model, action.reason)
-            self._stop_shards(replica, action.reason, now)
+            self._stop_shards(replica, action.reason, now, span)
 
-    async def _place(self, action: reconcile.Place, now: float) -> None:
+    async def _place(self, action: reconcile.Place, now: float,
+                     parent: trace.Span = trace.INVALID_SPAN) -> None:
         placement = action.placement
         model = self.catalog.get(placement.model)
         profile = model.profile(placement.profile)
@@ -381,6 +464,19 @@ class Controller:
         replica = new_replica(replica_id(model.name, epoch), placement, epoch, now)
         self.replicas[replica.id] = replica
         log.info("replica %s of %s: %s", replica.id, model.name, placement.describe())
+        start = trace.INVALID_SPAN
+        if parent.is_recording():
+            where = {"llmgw.model": model.name, "llmgw.replica": replica.id,
+                     "llmgw.profile": profile.name, "llmgw.engine": profile.engine,
+                     "llmgw.nodes": [s.node_id for s in placement.shards],
+                     "llmgw.gpus": [g for s in placement.shards for g in s.gpus]}
+            span = self.tracing.start(f"place {model.name}", parent=parent, attributes={
+                **where, "llmgw.placed": True, "llmgw.placement": placement.describe()})
+            # Open until the replica serves (or fails): the nodes continue it.
+            start = self._starts[replica.id] = self.tracing.start(
+                f"start {replica.id}", parent=span, attributes=where)
+            end(span)
+        carried = self.tracing.carrier(start)
         leader = placement.shards[0]
         peers = [hostport(s.address, s.port) for s in placement.shards]
         for shard in placement.shards:
@@ -399,11 +495,19 @@ class Controller:
                               for sc in profile.sidecars]),
                 port=shard.port, gpus=list(shard.gpus), leader_address=leader.address,
                 rendezvous_port=placement.rendezvous_port, peers=peers, term=self.term or 0,
+                trace=carried,
             )
             if not self.sessions.send(shard.node_id, message):
                 self.replicas[replica.id] = fail(
                     self.replicas[replica.id], f"node {shard.node_id} disconnected before start")
+                self._start_ended(replica.id, f"node {shard.node_id} disconnected before start")
                 self.wake()
+
+    def _start_ended(self, replica_id: str, error: str | None) -> None:
+        """The replica serves (``error`` None), or will not: its start span ends."""
+        span = self._starts.pop(replica_id, None)
+        if span is not None:
+            end(span, error=error)
 
     def _node_words(self, replica: Replica) -> str:
         """Why this server cannot vouch for the replica through its node, in words."""
@@ -419,16 +523,18 @@ class Controller:
         return all((session := self.sessions.get(shard.node_id)) is None
                    or session.state is NodeState.LOST for shard in replica.shards)
 
-    def _stop_shards(self, replica: Replica, reason: str, now: float) -> None:
+    def _stop_shards(self, replica: Replica, reason: str, now: float,
+                     span: trace.Span = trace.INVALID_SPAN) -> None:
         """Ask every live shard to stop, and hold the replica's GPUs and ports until they
         say they have (or a deadline passes), so nothing new is placed onto them early."""
         stopping = False
+        carried = self.tracing.carrier(span)
         for shard in replica.shards:
             if shard.state in ("failed", "stopped"):
                 continue
             if self.sessions.send(shard.node_id, wire.StopShard(
                     replica=replica.id, rank=shard.rank, epoch=replica.epoch, reason=reason,
-                    term=self.term or 0)):
+                    term=self.term or 0, trace=carried)):
                 stopping = True
         if stopping:
             held = replace(replica, state=ReplicaState.STOPPED, reason=reason)
@@ -448,6 +554,7 @@ class Controller:
             before = self.sessions.get(msg.node_id)
             old_inventory = before.register.inventory if before is not None else None
             session, connection = self.sessions.attach(msg, now)
+            self.stats.stream_connects.n += 1
             log.info("node %s registered from %s with %d running shard(s)", msg.node_id,
                      msg.address, len(msg.running))
             self._log_inventory_change(msg, old_inventory)
@@ -508,7 +615,15 @@ class Controller:
         wanted = desired_engines(self.settings, msg)
         if self.engines_sent.get(msg.node_id) == wanted:
             return
-        if self.sessions.send(msg.node_id, wire.InstallEngines(engines=wanted)):
+        # The node's installs continue this trace.
+        span = (self.tracing.start(f"engines for {msg.node_id}", attributes={
+            "llmgw.node": msg.node_id,
+            "llmgw.engines": [f"{e.name} {e.version}" for e in wanted]})
+            if self.tracing.enabled else trace.INVALID_SPAN)
+        sent = self.sessions.send(msg.node_id, wire.InstallEngines(
+            engines=wanted, trace=self.tracing.carrier(span)))
+        end(span, error=None if sent else "the node disconnected")
+        if sent:
             self.engines_sent[msg.node_id] = wanted
             log.info("asked %s for engines: %s", msg.node_id,
                      ", ".join(f"{e.name} {e.version}" for e in wanted) or "none")
@@ -591,6 +706,10 @@ class Controller:
                                output_tail=tuple(msg.output_tail))
         self.replicas[msg.replica] = updated
         if updated.state != replica.state:
+            if updated.state is ReplicaState.READY:
+                self._start_ended(replica.id, None)
+            elif updated.state is ReplicaState.FAILED:
+                self._start_ended(replica.id, updated.reason or "failed")
             log.info("replica %s of %s: %s -> %s%s", replica.id, replica.model,
                      replica.state.value, updated.state.value,
                      f" ({updated.reason})" if updated.state == "failed" else "")
@@ -622,6 +741,7 @@ class Controller:
 
     def node_disconnected(self, node_id: str, connection: int) -> None:
         self.sessions.detach(node_id, connection)
+        self.stats.stream_disconnects.n += 1
         log.info("node %s disconnected", node_id)
         self.wake()
 
@@ -690,6 +810,20 @@ class Controller:
         return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
                          for r in mine)
 
+
+
+def _action_kind(action: reconcile.Action, replica: Replica, all_lost: bool
+                 ) -> tuple[str, str]:
+    """The action's kind for metrics (controller_stats.ACTIONS) and its span's name."""
+    if isinstance(action, reconcile.Reap):
+        if action.crashed:
+            return "reap", "restart"
+        if replica.state is ReplicaState.READY and all_lost:
+            return "orphan", "replace"
+        return "reap", "reap"
+    if isinstance(action, reconcile.Evict):
+        return "evict", "preempt"
+    return "stop", action.cause
 
 
 _LOST_OPEN = Close(4408, "declared lost with its stream still open; register again")

@@ -91,6 +91,7 @@ def test_refuses_a_node_too_small(node: Node, prof: Profile, reason: str) -> Non
 
     assert result.placement is None
     assert result.refusals == (Refusal(node.id, reason),)
+    assert result.refusals[0].kind == "gpus"  # the class metrics count it by
 
 
 def test_gpu_memory_counts_free_memory_per_gpu() -> None:
@@ -190,6 +191,7 @@ def test_missing_engine_is_refused_by_name() -> None:
     result = place(profile("vllm"), [cpu_avx2("cpu1")])
 
     assert result.refusals == (Refusal("cpu1", "vllm is not installed"),)
+    assert result.refusals[0].kind == "engine"
 
 
 def test_installing_engine_is_refused_in_the_nodes_own_words() -> None:
@@ -363,6 +365,7 @@ def test_no_free_port(prof: Profile, port_range: tuple[int, int], used: set[int]
 
     low, high = port_range
     assert refusal_for(result, "node01") == f"no free port left in {low}-{high}"
+    assert {r.kind for r in result.refusals} == {"ports"}
 
 
 def test_a_group_needs_a_leader_with_two_free_ports() -> None:

@@ -624,7 +624,9 @@ def test_a_drained_replica_serves_until_its_replacement_is_ready() -> None:
         new, state=ReplicaState.READY, ready_since=NOW + 20,
         shards=tuple(replace(s, state="ready") for s in new.shards))], {}, NOW + 20)
 
-    assert alone == Plan((), {"m": "node01: not ready (draining)"}), "nowhere else to go"
+    assert alone == Plan((), {"m": "node01: not ready (draining)"},
+                         {"m": (Refusal("node01", "not ready (draining)"),)}), "nowhere to go"
+    assert alone.refusals["m"][0].kind == "node_state"
     [place_] = of_type(moving, Place)
     assert nodes_of(place_.placement) == ["node02"]
     assert of_type(moving, Stop) == []

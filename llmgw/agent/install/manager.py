@@ -31,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+from opentelemetry.context import Context
 
 from llmgw import wire
 from llmgw.agent.discovery import gpus, host
@@ -40,6 +41,7 @@ from llmgw.config import AgentConfig
 from llmgw.core import engine_names
 from llmgw.core.backoff import INSTALL_RETRY, Retry, RetryPolicy, after_failure
 from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
+from llmgw.tracing import OFF, Tracing, end
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class EngineInstaller:
                  changed: Callable[[], None],
                  facts: Callable[[], NodeFacts] = node_facts,
                  retry_policy: RetryPolicy = INSTALL_RETRY,
-                 python: str = ENVIRONMENT_PYTHON):
+                 python: str = ENVIRONMENT_PYTHON, tracing: Tracing = OFF):
         """``facts``, ``retry_policy`` and ``python`` (the Python environments are built
         with) are the node's own unless a test says otherwise."""
         self.root = Path(config.engines_dir or Path(config.state_dir) / "engines")
@@ -110,6 +112,9 @@ class EngineInstaller:
         self._retry = Retry()
         self._python = python
         self._task: asyncio.Task | None = None
+        self._tracing = tracing
+        # The control plane's trace of the last list it sent: installs continue it.
+        self._asked_in: Context | None = None
 
     # --- what the agent asks -------------------------------------------------------------
 
@@ -123,6 +128,7 @@ class EngineInstaller:
     def want(self, msg: wire.InstallEngines) -> None:
         """The control plane's list; a pass starts at once."""
         self._wanted = list(msg.engines)
+        self._asked_in = self._tracing.context_of(msg.trace)
         try:
             self._save_wanted()
         except OSError as err:
@@ -299,19 +305,31 @@ class EngineInstaller:
             self._report(want.name, want.version, "failed",
                          f"failed: {comfyui.no_sha256(want.version, unpinned.asset)}")
             return False
+        span = (self._tracing.start(f"install {want.name} {want.version}",
+                                    parent=self._asked_in,
+                                    attributes={"llmgw.engine": want.name,
+                                                "llmgw.version": want.version,
+                                                "llmgw.build_choice": want.build})
+                if self._tracing.enabled else None)
         failures = []
         for build in builds:
             try:
-                path = await self._install(http, want, build)
-                self._mark_installed(want, path, build)
+                with self._tracing.step(f"build {build.name}", span,
+                                        **{"llmgw.kind": build.kind}):
+                    path = await self._install(http, want, build)
+                    self._mark_installed(want, path, build)
             except InstallError as err:
                 log.warning("%s %s (%s build) did not install: %s", want.name, want.version,
                             build.name, err)
                 failures.append(f"{build.name} build: {err}" if len(builds) > 1 else str(err))
                 continue
+            if span is not None:
+                end(span, **{"llmgw.build": build.name})
             return True
         self._forget(want.name)
         self._report(want.name, want.version, "failed", "failed: " + "; ".join(failures))
+        if span is not None:
+            end(span, error="; ".join(failures))
         return False
 
     async def _install(self, http: aiohttp.ClientSession, want: wire.EngineWanted,

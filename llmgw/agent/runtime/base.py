@@ -81,3 +81,7 @@ class Runtime(Protocol):
 
     def output_tail(self, unit: str, lines: int = 20) -> list[str]:
         """The engine's last lines of output."""
+
+    def log_path(self, unit: str) -> Path:
+        """The file the shard's output goes to (stdout and stderr), there while it runs
+        and until it is stopped; ``llmgw ctl logs`` reads it."""

@@ -40,7 +40,8 @@ class ProcessRuntime:
     def _record_path(self, unit: str) -> Path:
         return self._dir / f"{unit}.json"
 
-    def _log_path(self, unit: str) -> Path:
+    def log_path(self, unit: str) -> Path:
+        """The file the shard's output goes to (stdout and stderr)."""
         return self._dir / f"{unit}.log"
 
     async def start(self, record: ShardRecord, argv: tuple[str, ...], env: dict[str, str]
@@ -49,7 +50,7 @@ class ProcessRuntime:
         if running is not None and self._alive(running):
             raise ShardStartError(f"{record.unit} is already running (pid {running.pid}); "
                                   "stop it first")
-        log_path = self._log_path(record.unit)
+        log_path = self.log_path(record.unit)
         with open(log_path, "wb") as out:
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -102,7 +103,7 @@ class ProcessRuntime:
                 found.append(record)
             else:
                 path.unlink(missing_ok=True)
-                self._log_path(path.stem).unlink(missing_ok=True)
+                self.log_path(path.stem).unlink(missing_ok=True)
         return found
 
     async def wait_exit(self, unit: str) -> int | None:
@@ -132,7 +133,7 @@ class ProcessRuntime:
         self._record_path(unit).unlink(missing_ok=True)
         # Its last lines were reported on failure; a node restarting shards for months
         # must not keep a log per shard forever.
-        self._log_path(unit).unlink(missing_ok=True)
+        self.log_path(unit).unlink(missing_ok=True)
 
     async def _gone(self, record: ShardRecord, child, timeout_s: float) -> bool:
         async def wait() -> None:
@@ -148,4 +149,4 @@ class ProcessRuntime:
         return True
 
     def output_tail(self, unit: str, lines: int = 20) -> list[str]:
-        return log_tail(self._log_path(unit), lines)
+        return log_tail(self.log_path(unit), lines)

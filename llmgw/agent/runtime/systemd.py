@@ -135,7 +135,8 @@ class SystemdRuntime:
     def directory(self) -> Path:
         return self._dir
 
-    def _log_path(self, unit: str) -> Path:
+    def log_path(self, unit: str) -> Path:
+        """The file the shard's output goes to (stdout and stderr)."""
         return self._dir / f"{unit}.log"
 
     def _work_dir(self, unit: str) -> Path:
@@ -271,7 +272,7 @@ class SystemdRuntime:
         with self._watching(name):
             await self._clear_leftover(name, record.unit)
             self._exits.pop(name, None)
-            self._log_path(record.unit).unlink(missing_ok=True)
+            self.log_path(record.unit).unlink(missing_ok=True)
             self._work_dir(record.unit).mkdir(exist_ok=True, mode=0o700)
             job = asyncio.get_running_loop().create_future()
             self._jobs[name] = job
@@ -341,7 +342,7 @@ class SystemdRuntime:
 
     def _properties(self, record: ShardRecord, executable: str, argv: tuple[str, ...],
                     environment: list[tuple[str, str]]) -> list[tuple[str, Variant]]:
-        log_path = str(self._log_path(record.unit))
+        log_path = str(self.log_path(record.unit))
         return [
             ("Description", Variant("s", f"llmgw shard: {record.model} replica "
                                          f"{record.replica} rank {record.rank} "
@@ -431,7 +432,7 @@ class SystemdRuntime:
             if state is not None and state.get("LoadState") == "loaded":
                 log.warning("%s is still loaded (%s) after %g s", name,
                             state.get("ActiveState"), _GONE_TIMEOUT_S)
-        self._log_path(unit).unlink(missing_ok=True)
+        self.log_path(unit).unlink(missing_ok=True)
         shutil.rmtree(self._work_dir(unit), ignore_errors=True)
 
     async def running(self) -> list[ShardRecord]:
@@ -487,7 +488,7 @@ class SystemdRuntime:
                     await asyncio.wait_for(changed.wait(), _POLL_S)
 
     def output_tail(self, unit: str, lines: int = 20) -> list[str]:
-        return log_tail(self._log_path(unit), lines)
+        return log_tail(self.log_path(unit), lines)
 
 
 def _record_of(props: dict[str, Any]) -> ShardRecord | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry import trace
 from yarl import URL
 
 from llmgw import wire
@@ -32,6 +33,7 @@ from llmgw.agent.weights.manifest import (
 )
 from llmgw.config import Weights
 from llmgw.core.weights import Source, SourceError, check_patterns, directory_name, parse_source
+from llmgw.tracing import OFF, Tracing, end
 
 log = logging.getLogger(__package__)  # "llmgw.agent.weights", as before the split
 
@@ -63,6 +65,8 @@ class WeightsStore:
         self._unprepared: dict[Path, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._active: set[Path] = set()
+        # A fetch is a trace of its own (a model job), linked to the start that asked.
+        self.tracing: Tracing = OFF
 
     @classmethod
     def from_config(cls, weights: Weights) -> WeightsStore:
@@ -190,9 +194,11 @@ class WeightsStore:
     # -- fetching ----------------------------------------------------------------------------
 
     async def ensure(self, key: str, source: str, patterns: list[str], label: str,
-                     progress: Callable[[str], None]) -> Path:
+                     progress: Callable[[str], None],
+                     caused_by: trace.Span | None = None) -> Path:
         """The directory of complete weights for ``key``, fetched from ``source`` first if
-        no directory holds them. Concurrent calls for one key make one fetch."""
+        no directory holds them. Concurrent calls for one key make one fetch. The fetch's
+        trace links to ``caused_by`` (the shard start that asked first)."""
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             found = await asyncio.to_thread(self.find, key)
@@ -209,19 +215,34 @@ class WeightsStore:
                 patterns = list(check_patterns(patterns))
             except SourceError as err:
                 raise WeightsError(f"{label}: {err}") from None
-            return await self._fetch(key, source, src, patterns, label, progress)
+            if not self.tracing.enabled:
+                return await self._fetch(key, source, src, patterns, label, progress,
+                                         trace.INVALID_SPAN)
+            job = self.tracing.start(f"weights {key}", links=self.tracing.link_to(caused_by),
+                                     attributes={"llmgw.weights_key": key,
+                                                 "llmgw.source": source})
+            try:
+                found = await self._fetch(key, source, src, patterns, label, progress, job)
+            except BaseException as err:
+                end(job, error=str(err) or type(err).__name__)
+                raise
+            end(job, **{"llmgw.path": str(found)})
+            return found
 
     def _fetch_root(self) -> Path:
         chosen = next((d for d in self.directories if not d.shared), self.directories[0])
         return chosen.path
 
     async def _fetch(self, key: str, source: str, src: Source, patterns: list[str], label: str,
-                     progress: Callable[[str], None]) -> Path:
+                     progress: Callable[[str], None], job: trace.Span) -> Path:
         endpoint = URL(src.endpoint or self.hub)
         root = self._fetch_root()
+        step = self.tracing.step
         async with Hub.connect(self.hub, self.token, self.connect_timeout_s,
                                self.read_timeout_s) as hub:
-            files = await hub.listing(endpoint, src, patterns, label)
+            with step("list files", job, **{"llmgw.hub": str(endpoint)}) as listing:
+                files = await hub.listing(endpoint, src, patterns, label)
+                listing.set_attribute("llmgw.files", len(files))
             total = sum(f.size for f in files)
             free = check_space(root, total, label)
             name = directory_name(key)
@@ -232,12 +253,16 @@ class WeightsStore:
             try:
                 partial.mkdir(mode=0o755)
                 meter = Meter(label, total, progress, self.progress_interval_s)
-                entries = [await hub.download(endpoint, src, f, partial, meter, label)
-                           for f in files]
+                entries = []
+                for f in files:
+                    with step(f"download {f.path}", job, **{"llmgw.bytes": f.size}):
+                        entries.append(await hub.download(endpoint, src, f, partial, meter,
+                                                          label))
                 manifest = Manifest(version=MANIFEST_VERSION, key=key, source=source,
                                     revision=src.revision, files=entries)
-                await asyncio.to_thread(write_manifest_file, partial, manifest)
-                final = await asyncio.to_thread(self._place, partial, root / name, key)
+                with step("place", job, **{"llmgw.directory": str(root / name)}):
+                    await asyncio.to_thread(write_manifest_file, partial, manifest)
+                    final = await asyncio.to_thread(self._place, partial, root / name, key)
             except OSError as err:
                 if err.errno == errno.ENOSPC:
                     raise WeightsError(

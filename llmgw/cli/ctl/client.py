@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import http.client
 import json
 import os
 import ssl
@@ -51,6 +52,23 @@ def _token(args: argparse.Namespace) -> str | None:
 def call(args: argparse.Namespace, method: str, path: str, payload: dict | None = None,
          auth: bool = True):
     """The API's JSON answer to one request; a refusal or no answer raises `CtlError`."""
+    with _open(args, _request(args, method, path, payload, auth), timeout_s=30) as resp:
+        try:
+            body = resp.read()
+        except OSError as err:
+            raise _unreachable(args, err) from None
+    return json.loads(body or b"null")
+
+
+def stream(args: argparse.Namespace, path: str,
+           timeout_s: float | None) -> http.client.HTTPResponse:
+    """The open answer to ``GET path``, to read as it comes; a refusal or no answer raises
+    `CtlError`. ``timeout_s`` bounds each wait for more (None: wait as long as it takes)."""
+    return _open(args, _request(args, "GET", path), timeout_s)
+
+
+def _request(args: argparse.Namespace, method: str, path: str, payload: dict | None = None,
+             auth: bool = True) -> urllib.request.Request:
     headers = {"content-type": "application/json"}
     token = _token(args) if auth else None
     if auth and not token:
@@ -59,28 +77,36 @@ def call(args: argparse.Namespace, method: str, path: str, payload: dict | None 
     if token:
         headers["authorization"] = f"Bearer {token}"
     data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(server_url(args) + path, data=data, headers=headers,
-                                     method=method)
+    return urllib.request.Request(server_url(args) + path, data=data, headers=headers,
+                                  method=method)
+
+
+def _open(args: argparse.Namespace, request: urllib.request.Request,
+          timeout_s: float | None) -> http.client.HTTPResponse:
     context = _tls_context(args) if request.type == "https" else None
     try:
-        with urllib.request.urlopen(request, timeout=30, context=context) as resp:
-            return json.loads(resp.read() or b"null")
+        return urllib.request.urlopen(request, timeout=timeout_s, context=context)
     except urllib.error.HTTPError as err:
         try:
             message = json.loads(err.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = err.reason
-        raise CtlError(f"{method} {path}: {err.code} {message}", EXIT_REFUSED) from None
+        raise CtlError(f"{request.get_method()} {request.selector}: {err.code} {message}",
+                       EXIT_REFUSED) from None
     except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", err)
-        if isinstance(reason, ssl.SSLCertVerificationError):
-            raise CtlError(
-                f"{server_url(args)} sent a certificate this machine does not trust "
-                f"({reason.verify_message}): pass --ca-file with the cluster CA (the "
-                "server's tls.ca_file, ca.pem from `llmgw server init`), or set "
-                "LLMGW_CA_FILE", EXIT_UNREACHABLE) from None
-        raise CtlError(f"cannot reach {server_url(args)}: {reason}; is the server running, "
-                       "and is --server right?", EXIT_UNREACHABLE) from None
+        raise _unreachable(args, err) from None
+
+
+def _unreachable(args: argparse.Namespace, err: OSError) -> CtlError:
+    reason = getattr(err, "reason", err)
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return CtlError(
+            f"{server_url(args)} sent a certificate this machine does not trust "
+            f"({reason.verify_message}): pass --ca-file with the cluster CA (the "
+            "server's tls.ca_file, ca.pem from `llmgw server init`), or set "
+            "LLMGW_CA_FILE", EXIT_UNREACHABLE)
+    return CtlError(f"cannot reach {server_url(args)}: {reason}; is the server running, "
+                    "and is --server right?", EXIT_UNREACHABLE)
 
 
 def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:

@@ -1,5 +1,7 @@
-"""``/api``: the admin API: cluster status, models, nodes, accounts, sessions and API keys."""
+"""``/api``: the admin API: cluster status, models, nodes, shard logs, accounts, sessions
+and API keys."""
 
-from llmgw.server.admin import accounts, keys, models, nodes, status
+from llmgw.server.admin import accounts, keys, logs, models, nodes, status
 
-ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES, *models.ROUTES]
+ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES, *models.ROUTES,
+          *logs.ROUTES]

@@ -137,6 +137,8 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
             elif isinstance(message, wire.RenewCertificate):
                 controller.sessions.seen(msg.node_id, now)
                 outbox.put_nowait(await _renew(identity, renew, msg.node_id, message))
+            elif isinstance(message, wire.ShardLog):
+                controller.shard_logs.deliver(msg.node_id, message)
             elif isinstance(message, wire.Register):
                 await refuse(socket, msg.node_id, CLOSE_PROTOCOL, "registered twice on one stream")
                 break
@@ -150,6 +152,7 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
         controller.node_disconnected(msg.node_id, connection)
+        controller.shard_logs.node_gone(msg.node_id, connection)
 
 
 async def _renew(identity: Identity | None, renew: Renew | None, node: str,

@@ -1,0 +1,69 @@
+"""``llmgw ctl logs``: a shard's engine output, from the node that runs it.
+
+The output goes to stdout as it comes, byte for byte, each piece flushed at once; with
+``--follow`` it goes on until Ctrl-C or the shard stops. A reader that stops reading
+(``| head``) ends it quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import sys
+from urllib.parse import quote, urlencode
+
+from llmgw.cli.ctl.client import EXIT_UNREACHABLE, EXIT_USAGE, CtlError, server_url, stream
+from llmgw.cli.ctl.commands import Commands
+
+_READ_BYTES = 64 * 1024
+
+
+def logs(args: argparse.Namespace) -> None:
+    if args.json:
+        raise CtlError("logs prints the engine's output as it is: it has no --json",
+                       EXIT_USAGE)
+    query = urlencode({"rank": args.rank, "tail": args.tail,
+                       "follow": "true" if args.follow else "false"})
+    path = f"/api/replicas/{quote(args.replica, safe='')}/logs?{query}"
+    # Following, the engine may say nothing for hours: wait for it.
+    with stream(args, path, timeout_s=None if args.follow else 30) as resp:
+        while True:
+            try:
+                piece = resp.read1(_READ_BYTES)
+            except (OSError, http.client.HTTPException) as err:
+                raise CtlError(f"the output from {server_url(args)} broke off: "
+                               f"{err or type(err).__name__}", EXIT_UNREACHABLE) from None
+            if not piece or not _write(piece):
+                return
+
+
+def _write(piece: bytes) -> bool:
+    """Write to stdout now; False once nobody reads it any more."""
+    try:
+        out = getattr(sys.stdout, "buffer", None)
+        if out is None:  # a text stream in place of stdout
+            sys.stdout.write(piece.decode(errors="replace"))
+        else:
+            out.write(piece)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, and would complain of the closed pipe then.
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), sys.stdout.fileno())
+        return False
+    return True
+
+
+def add_parsers(commands: Commands) -> None:
+    p = commands.add("logs", logs, "a shard's engine output, from the node that runs it "
+                     "(admins)")
+    p.add_argument("replica", help="the replica's id, as `llmgw ctl status` lists it")
+    p.add_argument("--rank", type=int, default=0, metavar="N",
+                   help="which shard of a replica on several nodes (default 0)")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="go on printing what the engine writes, until Ctrl-C or the "
+                   "shard stops")
+    p.add_argument("--tail", type=int, default=64 * 1024, metavar="BYTES",
+                   help="print the last BYTES of output first, from the first whole line "
+                   "in them (default 65536, at most 1048576)")
