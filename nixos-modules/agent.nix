@@ -84,6 +84,24 @@ in
       File holding the hub token for gated repositories (agent.yaml `weights.token_file`).
     '';
 
+    tracing = shared.tracingOptions "llmgw-agent";
+
+    monitoring.nodeExporter = {
+      enable = mkEnableOption ''
+        Prometheus' node_exporter on this node, which the server's Prometheus
+        (services.llmgw.server.monitoring) finds through the server and scrapes'';
+      port = mkOption {
+        type = types.port;
+        default = 9100;
+        description = "node_exporter's port: the server's monitoring.nodeExporterPort.";
+      };
+      openFirewall = mkOption {
+        type = types.bool;
+        default = false;
+        description = "Open node_exporter's port in the firewall, for the server's Prometheus.";
+      };
+    };
+
     engines = mkOption {
       default = { };
       description = ''
@@ -241,6 +259,7 @@ in
       message = "services.llmgw.agent.engines.\"${name}\": set program, the path of its program inside the package (e.g. \"bin/${name}\")";
     }) cfg.engines
     ++ shared.secretFileAssertions "services.llmgw.agent" { inherit (cfg) hubTokenFile; }
+    ++ shared.secretFileAssertions "services.llmgw.agent.tracing" { inherit (cfg.tracing) headersFile; }
     ++ lib.optionals (cfg.tls != null)
       (shared.secretFileAssertions "services.llmgw.agent.tls" { inherit (cfg.tls) keyFile; });
 
@@ -252,6 +271,13 @@ in
         key_file = toString cfg.tls.keyFile;
       };
       weights = mkIf (cfg.hubTokenFile != null) { token_file = cfg.hubTokenFile; };
+      # The agent runs as root and reads the file where it is.
+      tracing = shared.tracingSettings cfg.tracing cfg.tracing.headersFile;
+    };
+
+    services.prometheus.exporters.node = mkIf cfg.monitoring.nodeExporter.enable {
+      enable = true;
+      inherit (cfg.monitoring.nodeExporter) port openFirewall;
     };
 
     environment.systemPackages = [ cfg.package ];

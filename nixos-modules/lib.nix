@@ -83,6 +83,52 @@ rec {
     if lib.hasInfix ":" address then "[${address}]:${toString port}"
     else "${address}:${toString port}";
 
+  # `tracing`, as both roles take it: OpenTelemetry traces sent over OTLP/HTTP.
+  tracingOptions = defaultName: {
+    endpoint = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "http://127.0.0.1:4318/v1/traces";
+      description = "The collector's OTLP/HTTP traces URL (`tracing.endpoint`). null: no tracing.";
+    };
+    headersFile = secretFile ''
+      File of `Name: value` lines sent with every export, such as a collector's API key
+      (`tracing.headers_file`).
+    '';
+    sampleRatio = mkOption {
+      type = types.nullOr (types.numbers.between 0 1);
+      default = null;
+      example = 0.25;
+      description = "The share of requests traced when the client sent no `traceparent` (`tracing.sample_ratio`). null: llmgw's 0.1.";
+    };
+    serviceName = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      description = "The spans' service.name (`tracing.service_name`). null: ${defaultName}.";
+    };
+  };
+
+  # The YAML `tracing` block of those options, `headersFile` as the service reads it. Only
+  # the keys set, and no block when none is: `settings.tracing` written by hand merges
+  # with them.
+  tracingSettings = tracing: headersFile:
+    let
+      set = lib.filterAttrs (_: v: v != null) {
+        inherit (tracing) endpoint;
+        headers_file = headersFile;
+        sample_ratio = tracing.sampleRatio;
+        service_name = tracing.serviceName;
+      };
+    in
+    lib.mkIf (set != { }) set;
+
+  # Where a process on the same machine reaches a listener on `host`: a wildcard address
+  # (every interface) over loopback, any other address as it is.
+  localHost = host:
+    if host == "0.0.0.0" || host == "localhost" then "127.0.0.1"
+    else if host == "::" then "::1"
+    else host;
+
   # A `listen`-shaped block (server.yaml `listen`, `tls.agent_listen`).
   listenOptions = { host, port }: {
     host = mkOption {

@@ -6,6 +6,10 @@
 # listening socket (llmgw-server.socket) and passes it to each server it starts, so a
 # restart or an upgrade refuses no connection: the kernel queues them meanwhile.
 #
+# `monitoring` runs a Prometheus on the same machine that scrapes the server and, through
+# the server's /api/metrics/targets, every node's node_exporter, with llmgw's alert rules
+# (deploy/monitoring/llmgw-alerts.yml) and an Alertmanager on loopback.
+#
 # The flake passes its packages, so `package` defaults to its llmgw:
 #   import ./nixos-modules/server.nix { packages = self.packages; }
 { packages }:
@@ -31,6 +35,7 @@ let
     optional (cfg.storePasswordFile != null) "store-password:${cfg.storePasswordFile}"
     ++ optional (cfg.adminTokenFile != null) "admin-token:${cfg.adminTokenFile}"
     ++ optional (cfg.metricsTokenFile != null) "metrics-token:${cfg.metricsTokenFile}"
+    ++ optional (cfg.tracing.headersFile != null) "tracing-headers:${cfg.tracing.headersFile}"
     ++ optionals (cfg.tls != null) (lib.mapAttrsToList
       (option: c: "${c.name}:${toString cfg.tls.${option}}") tlsCredentials);
 
@@ -46,6 +51,44 @@ let
 
   listen = cfg.settings.listen;
   agentListen = if cfg.settings.tls == null then null else cfg.settings.tls.agent_listen;
+
+  # Prometheus on this machine scrapes the server where it listens (a wildcard address
+  # over loopback). The files it reads are its own systemd credentials, so they may stay
+  # readable by root alone.
+  monitoring = cfg.monitoring;
+  scrapeAddress = shared.hostPort (shared.localHost listen.host) listen.port;
+  scheme = if cfg.tls != null then "https" else "http";
+  prometheusCredentials = "/run/credentials/prometheus.service";
+  metricsSettings = cfg.settings.metrics or { };
+  # llmgw lets a scrape in without a token only from loopback (metrics.allow_loopback).
+  scrapedOverLoopback = shared.isLoopback (shared.localHost listen.host)
+    && (metricsSettings.allow_loopback or true);
+  serverTls = if cfg.tls == null then null else {
+    ca_file = "${prometheusCredentials}/llmgw-ca";
+    server_name = monitoring.tlsServerName;
+  };
+  serverJob = {
+    job_name = "llmgw-server";
+    inherit scheme;
+    static_configs = [ { targets = [ scrapeAddress ]; } ];
+    tls_config = serverTls;
+    authorization = if cfg.metricsTokenFile == null then null else {
+      type = "Bearer";
+      credentials_file = "${prometheusCredentials}/llmgw-metrics-token";
+    };
+  };
+  # NixOS's http_sd_configs take no `authorization`: the server answers them over loopback.
+  nodesJob = {
+    job_name = "llmgw-nodes";
+    http_sd_configs = [ {
+      url = "${scheme}://${scrapeAddress}/api/metrics/targets?port=${toString monitoring.nodeExporterPort}";
+      tls_config = serverTls;
+    } ];
+  };
+  prometheusFiles =
+    optional (cfg.tls != null) "llmgw-ca:${toString cfg.tls.caFile}"
+    ++ optional (cfg.metricsTokenFile != null) "llmgw-metrics-token:${cfg.metricsTokenFile}";
+  alertmanager = monitoring.alertmanager;
 in
 {
   imports = shared.renamed "server" [
@@ -101,6 +144,60 @@ in
           keyFile = shared.requiredSecretFile "The server's private key (`tls.key_file`).";
         };
       });
+    };
+
+    tracing = shared.tracingOptions "llmgw-server";
+
+    monitoring = {
+      enable = mkEnableOption ''
+        Prometheus on this machine, scraping this server's /metrics and every node's
+        node_exporter (found through the server's /api/metrics/targets), with llmgw's alert
+        rules and an Alertmanager on loopback'';
+
+      scrapeInterval = mkOption {
+        type = types.str;
+        default = "15s";
+        example = "30s";
+        description = "How often Prometheus scrapes the server and the nodes, and evaluates the alert rules.";
+      };
+
+      nodeExporterPort = mkOption {
+        type = types.nullOr types.port;
+        default = 9100;
+        description = ''
+          The port of node_exporter on every node (services.llmgw.agent.monitoring.nodeExporter).
+          null: scrape the server alone.
+        '';
+      };
+
+      tlsServerName = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "cp1.example.org";
+        description = ''
+          With `tls`: the name Prometheus checks the server's certificate for, when the
+          address it scrapes (the listen address, loopback for a wildcard one) is not one
+          the certificate names. null: that address.
+        '';
+      };
+
+      alertmanager = {
+        enable = mkOption {
+          type = types.bool;
+          default = true;
+          description = ''
+            An Alertmanager on this machine, on 127.0.0.1 only and without clustering, that
+            Prometheus sends the alerts to. Route them in
+            services.prometheus.alertmanager.configuration; until then it holds them
+            without notifying anyone.
+          '';
+        };
+        port = mkOption {
+          type = types.port;
+          default = 9093;
+          description = "Alertmanager's port on 127.0.0.1.";
+        };
+      };
     };
 
     settings = mkOption {
@@ -159,6 +256,11 @@ in
             default = null;
             description = "How much the server logs. null: info.";
           };
+          logging.access = mkOption {
+            type = types.nullOr (types.enum [ "off" "json" ]);
+            default = null;
+            description = "`json`: one JSON line per /v1 request in the journal (never a prompt or an answer). null: off.";
+          };
           models = mkOption {
             type = types.nullOr (types.listOf yaml.type);
             default = null;
@@ -193,8 +295,23 @@ in
           || lib.hasPrefix "postgresql" (toString cfg.settings.store.url);
         message = "services.llmgw.server.storePasswordFile is for PostgreSQL: set settings.store.url to a postgresql+asyncpg:// URL, or drop the password file";
       }
+    ] ++ optionals monitoring.enable [
+      {
+        assertion = metricsSettings.enabled or true;
+        message = "services.llmgw.server.monitoring needs the server's /metrics: remove settings.metrics.enabled = false";
+      }
+      {
+        assertion = scrapedOverLoopback || cfg.metricsTokenFile != null;
+        message = "services.llmgw.server.monitoring: Prometheus scrapes the server at ${scrapeAddress}, which llmgw lets in without a token only over loopback (settings.metrics.allow_loopback): set services.llmgw.server.metricsTokenFile";
+      }
+      {
+        assertion = monitoring.nodeExporterPort == null || scrapedOverLoopback;
+        message = "services.llmgw.server.monitoring finds the nodes at ${scrapeAddress}/api/metrics/targets, which NixOS's Prometheus asks without a token, and llmgw answers that only over loopback: listen on a loopback or wildcard address (settings.listen.host = \"0.0.0.0\" or \"::\", the firewall as the fence) and keep settings.metrics.allow_loopback, or set monitoring.nodeExporterPort = null to scrape the server alone";
+      }
     ] ++ shared.secretFileAssertions "services.llmgw.server" {
       inherit (cfg) storePasswordFile adminTokenFile metricsTokenFile;
+    } ++ shared.secretFileAssertions "services.llmgw.server.tracing" {
+      inherit (cfg.tracing) headersFile;
     } ++ optionals (cfg.tls != null) (shared.secretFileAssertions "services.llmgw.server.tls" {
       inherit (cfg.tls) caKeyFile keyFile;
     });
@@ -204,6 +321,8 @@ in
         lib.nameValuePair c.key "${credentialsDir}/${c.name}") tlsCredentials);
       auth = mkIf (cfg.adminTokenFile != null) { admin_token_file = "${credentialsDir}/admin-token"; };
       metrics = mkIf (cfg.metricsTokenFile != null) { token_file = "${credentialsDir}/metrics-token"; };
+      tracing = shared.tracingSettings cfg.tracing
+        (if cfg.tracing.headersFile == null then null else "${credentialsDir}/tracing-headers");
     };
 
     environment.systemPackages = [ cfg.package ];
@@ -274,5 +393,37 @@ in
     networking.firewall.allowedTCPPorts = mkIf cfg.openFirewall
       ([ listen.port ] ++ optional (cfg.tls != null)
         (if agentListen == null then 8443 else agentListen.port));
+
+    services.prometheus = mkIf monitoring.enable {
+      enable = true;
+      # Its pages and API have no login.
+      listenAddress = lib.mkDefault "127.0.0.1";
+      globalConfig = {
+        scrape_interval = monitoring.scrapeInterval;
+        evaluation_interval = monitoring.scrapeInterval;
+      };
+      ruleFiles = [ ../deploy/monitoring/llmgw-alerts.yml ];
+      scrapeConfigs = [ serverJob ] ++ optional (monitoring.nodeExporterPort != null) nodesJob;
+      # promtool checks the file where the system is built, which has no /run/credentials.
+      checkConfig = mkIf (prometheusFiles != [ ]) (lib.mkDefault "syntax-only");
+      alertmanagers = mkIf alertmanager.enable [
+        { static_configs = [ { targets = [ "127.0.0.1:${toString alertmanager.port}" ]; } ]; }
+      ];
+      alertmanager = mkIf alertmanager.enable {
+        enable = true;
+        listenAddress = "127.0.0.1";
+        inherit (alertmanager) port;
+        # A single Alertmanager: no gossip listener (0.0.0.0:9094 by default).
+        extraFlags = [ "--cluster.listen-address=" ];
+        configuration = lib.mkDefault {
+          route.receiver = "nobody";
+          receivers = [ { name = "nobody"; } ];
+        };
+      };
+    };
+
+    systemd.services.prometheus = mkIf (monitoring.enable && prometheusFiles != [ ]) {
+      serviceConfig.LoadCredential = prometheusFiles;
+    };
   };
 }

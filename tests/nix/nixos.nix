@@ -84,7 +84,7 @@ let
       config._module.args = { inherit pkgs; utils = { inherit systemdUtils; }; };
     };
 
-  evaluated = lib.evalModules { modules = [ declarations ] ++ modules; };
+  evaluated = lib.evalModules { modules = [ declarations (import ./prometheus.nix { inherit lib; }) ] ++ modules; };
   inherit (evaluated) config;
   render = import (excerpts + "/systemd-lib.nix") { inherit config lib pkgs; utils = { }; };
 
