@@ -1,7 +1,7 @@
 """What the gateway costs per request: CPU, latency and time to first token, against the floor.
 
-Four targets, measured in one run, round after round in turn (the order rotates each round,
-so drift in the machine's load hits them all alike):
+Four targets (five with ``--observe``), measured in one run, round after round in turn
+(the order rotates each round, so drift in the machine's load hits them all alike):
 
 - direct: the client talks to the engine itself;
 - floor: through a bare L7 proxy on uvloop and httptools (``bench/fake_engine.py
@@ -12,7 +12,12 @@ so drift in the machine's load hits them all alike):
   keys off);
 - granian: the same on granian (``listen.server: granian``): a second server with its own
   agent and fake engine, so that each server's process holds only its own requests
-  (``--no-granian`` leaves it out).
+  (``--no-granian`` leaves it out);
+- observed (``--observe tracing``, ``access-log`` or ``both``): llmgw on uvicorn again, a
+  cluster of its own, with every request traced (``tracing.sample_ratio``, 1 by default:
+  ``--trace-ratio``) to an OTLP/HTTP sink in this process that answers every export and
+  keeps nothing, or written to the access log (``logging.access: json``), or both; what
+  that costs is its CPU against the llmgw target's, round by round.
 
 The engine is a fake (``bench/fake_engine.py engine``: prepared bytes, no JSON read), so
 what a gateway adds is most of what there is to see. The agent launches it through llmgw's
@@ -48,9 +53,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
@@ -68,6 +75,8 @@ LLAMA_MODEL = "smollm2-135m"
 TARGETS = ("direct", "floor", "llmgw")
 # llmgw on granian: the second cluster's llmgw target (Cluster.granian).
 GRANIAN = "granian"
+# llmgw with tracing or the access log on: the third cluster's (Cluster.observed).
+OBSERVED = "observed"
 HEADERS = {"content-type": "application/json"}
 # Waited after the load before the gateways' idle CPU is read again: past a usage flush,
 # a key refresh and a controller pass, which the load's last second leaves due.
@@ -189,9 +198,10 @@ def llama_files() -> tuple[Path, Path] | None:
 
 def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
                   llama: tuple[Path, Path] | None, keys: bool,
-                  key_cache_s: float | None = None, http_server: str = "uvicorn"
-                  ) -> tuple[Path, Path]:
-    """server.yaml, agent.yaml and the agent's llama.cpp "binary"."""
+                  key_cache_s: float | None = None, http_server: str = "uvicorn",
+                  observe: dict | None = None) -> tuple[Path, Path]:
+    """server.yaml, agent.yaml and the agent's llama.cpp "binary"; ``observe``: the
+    server's ``tracing`` and ``logging`` settings, if any."""
     wrapper = tmp / "llama-server"
     real = f'    *.gguf) exec {llama[0]} "$@" ;;\n' if llama else ""
     wrapper.write_text(
@@ -214,7 +224,7 @@ def write_cluster(tmp: Path, port: int, events: int, gap_ms: float,
         state_dir=str(tmp / "server"),
         auth=cfg.Auth(require_api_key=keys, **(
             {"key_cache_s": key_cache_s} if key_cache_s is not None else {})),
-        models=models, log_level="warning")
+        models=models, log_level="warning", **(observe or {}))
     agent = cfg.AgentConfig(
         servers=[f"http://127.0.0.1:{port}"], node_id="bench", address="127.0.0.1",
         state_dir=str(tmp / "agent"), runtime="process", stop_shards_on_exit=True,
@@ -277,36 +287,47 @@ class Cluster:
     # llmgw on granian: a cluster of its own (server, agent, engine; no floor), whose
     # llmgw target is this one's GRANIAN target.
     granian: Cluster | None = None
+    # llmgw traced or access-logged: the same, this one's OBSERVED target.
+    observed: Cluster | None = None
+
+    def _others(self) -> dict[str, Cluster]:
+        """The clusters of their own, by the target they serve."""
+        return {target: cluster for target, cluster in ((GRANIAN, self.granian),
+                                                         (OBSERVED, self.observed))
+                if cluster is not None}
 
     def targets(self) -> tuple[str, ...]:
-        return TARGETS + ((GRANIAN,) if self.granian else ())
+        return TARGETS + tuple(self._others())
 
     def gateways(self) -> dict[str, list[int]]:
         """The processes whose CPU is the gateway's, per target."""
         out = {"direct": [], "floor": process_tree(self.procs["floor"].pid),
                "llmgw": process_tree(self.procs["server"].pid)}
-        if self.granian:
-            out[GRANIAN] = process_tree(self.granian.procs["server"].pid)
+        for target, other in self._others().items():
+            out[target] = process_tree(other.procs["server"].pid)
         return out
 
     def url(self, target: str) -> str:
-        return self.granian.urls["llmgw"] if target == GRANIAN else self.urls[target]
+        other = self._others().get(target)
+        return other.urls["llmgw"] if other else self.urls[target]
 
     def headers(self, target: str) -> dict[str, str] | None:
         """What every request to ``target`` carries beside the body's type: llmgw's key."""
-        if target == GRANIAN:
-            return self.granian.llmgw_headers
+        other = self._others().get(target)
+        if other:
+            return other.llmgw_headers
         return self.llmgw_headers if target == "llmgw" else None
 
     def engines(self, target: str) -> list[int]:
         """The engine processes ``target``'s requests reach."""
-        return self.granian.engine_pids if target == GRANIAN else self.engine_pids
+        other = self._others().get(target)
+        return other.engine_pids if other else self.engine_pids
 
     def stop(self) -> None:
         """The floor, the agent (which stops its engines), the server; then any engine
-        the agent left behind, by PID. The granian cluster first, the same way."""
-        if self.granian:
-            self.granian.stop()
+        the agent left behind, by PID. The other clusters first, the same way."""
+        for other in self._others().values():
+            other.stop()
         agent = self.procs.get("agent")
         if agent is not None:
             self.engine_pids += [p for p in process_tree(agent.pid)[1:]
@@ -327,16 +348,17 @@ async def start(cluster: Cluster, events: int, gap_ms: float,
                 llama: tuple[Path, Path] | None, keys: bool = True, *,
                 launch: Callable[[str, list[str]], list[str]] = _as_is,
                 key_cache_s: float | None = None, ready_s: float = 60.0,
-                http_server: str = "uvicorn", floor: bool = True) -> list[str]:
+                http_server: str = "uvicorn", floor: bool = True,
+                observe: dict | None = None) -> list[str]:
     """The cluster started and ready within ``ready_s``, its server on ``http_server``;
     without ``floor``, no floor proxy (its urls have no floor). ``launch(role, argv)`` may
     change the command line of the ``server`` and the ``floor`` (to run them under a
-    counter, say)."""
+    counter, say). ``observe``: the server's ``tracing`` and ``logging`` settings."""
     tmp, notes = cluster.tmp, []
     tmp.mkdir(exist_ok=True)
     port, floor_port = free_port(), free_port()
     server_yaml, agent_yaml = write_cluster(tmp, port, events, gap_ms, llama, keys,
-                                            key_cache_s, http_server)
+                                            key_cache_s, http_server, observe)
     (tmp / "server").mkdir(mode=0o700)
     token, _ = load_or_create_admin_token(tmp / "server")
     python = [sys.executable, "-m", "llmgw"]
@@ -820,6 +842,68 @@ def granian_lines(cells: dict[tuple[bool, int, str], Cell], concurrency: list[in
     return out
 
 
+def observed_lines(cells: dict[tuple[bool, int, str], Cell], concurrency: list[int]
+                   ) -> list[str]:
+    """Each mode and concurrency: what the observed target's server spent per request
+    (or event) more than llmgw's, as the median of the rounds' ratios and in µs."""
+    out = []
+    for stream in (False, True):
+        unit = "event" if stream else "request"
+        for conc in concurrency:
+            plain, observed = cells[(stream, conc, "llmgw")], cells[(stream, conc, OBSERVED)]
+            ratios = paired_ratios(observed, plain)
+            median = statistics.median(ratios) if ratios else math.nan
+            added = cpu_per(observed, stream) - cpu_per(plain, stream)
+            per_request = (_us(observed.gateway_ns, observed.requests)
+                           - _us(plain.gateway_ns, plain.requests))
+            out.append(f"CPU per {unit}, concurrency {conc}: {median:.3f} x llmgw's, the "
+                       f"median of {len(ratios)} rounds ({middle_half(ratios, 3)}); "
+                       f"{added:+.1f} µs per {unit}"
+                       + (f", {per_request:+.1f} µs per stream" if stream else ""))
+    return out
+
+
+class Sink:
+    """An OTLP/HTTP receiver that answers every export with an empty success and keeps
+    nothing: where the observed server's spans go. A thread of this process, idle but for
+    an export every few seconds."""
+
+    def __init__(self) -> None:
+        self.exports = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                sink.exports += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}/v1/traces"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def observe_settings(what: str, ratio: float, sink: Sink) -> dict:
+    """The observed server's ``tracing`` and ``logging`` settings for ``--observe``."""
+    out: dict = {}
+    if what in ("tracing", "both"):
+        out["tracing"] = cfg.Tracing(endpoint=sink.endpoint, sample_ratio=ratio)
+    if what in ("access-log", "both"):
+        out["logging"] = cfg.Logging(access="json")
+    return out
+
+
 # --- main ----------------------------------------------------------------------------------
 
 
@@ -830,6 +914,7 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
                      "there): the llama-server part was skipped")
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     cluster = Cluster(tmp)
+    sink = Sink() if args.observe else None
     ok = False
     try:
         console.print("starting llmgw server, agent, fake engine and floor proxy ...",
@@ -839,6 +924,11 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
             cluster.granian = Cluster(tmp / "granian")
             starts.append(start(cluster.granian, args.events, args.gap_ms, None,
                                 not args.no_key, http_server="granian", floor=False))
+        if sink is not None:
+            cluster.observed = Cluster(tmp / "observed")
+            starts.append(start(cluster.observed, args.events, args.gap_ms, None,
+                                not args.no_key, floor=False, observe=observe_settings(
+                                    args.observe, args.trace_ratio, sink)))
         for started in await asyncio.gather(*starts):
             notes += started
         if args.no_key:
@@ -875,6 +965,15 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
                           "docs/gateway.md, \"The HTTP server\")")
             for line in granian_lines(cells, args.concurrency):
                 console.print(f"  {line}")
+        if sink is not None:
+            what = {"tracing": f"tracing on (sample_ratio {args.trace_ratio:g})",
+                    "access-log": "the access log on (logging.access: json)",
+                    "both": f"tracing on (sample_ratio {args.trace_ratio:g}) and the "
+                            "access log"}[args.observe]
+            console.print(f"[bold]observed against llmgw[/]: {what}; the sink took "
+                          f"{sink.exports} exports")
+            for line in observed_lines(cells, args.concurrency):
+                console.print(f"  {line}")
         notes.append("idle CPU, µs per second, just after start: " + ", ".join(
             f"{t} {v:.0f}" for t, v in idle.items()) + "; once the load was over: " + ", ".join(
             f"{t} {v:.0f}" for t, v in idle_after.items()))
@@ -887,6 +986,8 @@ async def run(args: argparse.Namespace, notes: list[str]) -> None:
         ok = True
     finally:
         cluster.stop()
+        if sink is not None:
+            sink.close()
         if ok and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -923,6 +1024,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="llmgw with auth.require_api_key false and no key sent (by "
                              "default every request to llmgw carries an API key, as in "
                              "any deployment)")
+    parser.add_argument("--observe", choices=("tracing", "access-log", "both"),
+                        help="add the observed target: llmgw (a cluster of its own) with "
+                             "tracing on, to a sink that keeps nothing, or the access log "
+                             "on, or both")
+    parser.add_argument("--trace-ratio", type=float, default=1.0,
+                        help="the observed server's tracing.sample_ratio (default "
+                             "%(default)s)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (configs and logs)")
     args = parser.parse_args(argv)

@@ -227,7 +227,14 @@ class _Doc(msgspec.Struct):
     response: Any = None
 
 
+class _NamedDoc(_Doc):
+    """The same and the model that answered, for a request's span or log line."""
+
+    model: Any = None
+
+
 _decoder = msgspec.json.Decoder(_Doc)
+_named_decoder = msgspec.json.Decoder(_NamedDoc)
 
 
 def _count(value: Any) -> int | None:
@@ -273,9 +280,29 @@ def _from_doc(raw: bytes | bytearray) -> Usage | None:
     return found
 
 
+def _from_named_doc(raw: bytes | bytearray) -> tuple[Usage | None, str | None]:
+    """The usage in a JSON document, and the model it names (a string, else None)."""
+    try:
+        doc = _named_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    found = usage_of(doc.usage)
+    model = doc.model
+    if found is None and isinstance(doc.response, dict):
+        found = usage_of(doc.response.get("usage"))
+        model = doc.response.get("model")
+    return found, model if type(model) is str else None
+
+
 def usage_from_body(body: bytes) -> Usage | None:
     """The usage in an answer read whole (a JSON object), or None."""
     return _from_doc(body)
+
+
+def answer_of(body: bytes) -> tuple[Usage | None, str | None]:
+    """The usage in an answer read whole, and the model the answer names (each None when
+    absent): one decode for both."""
+    return _from_named_doc(body)
 
 
 _USAGE = b'"usage"'
@@ -318,7 +345,7 @@ class StreamUsage:
     """
 
     __slots__ = ("_bound", "_cut", "_events", "_fed", "_limit", "_max_line", "_tail",
-                 "pending")
+                 "model", "pending")
 
     # What transport.writer.ChunkTap asks: how often the relay settles what it handed on.
     settle_bytes = SETTLE_BYTES
@@ -332,6 +359,8 @@ class StreamUsage:
         self._events = 0  # events in what was dropped
         self.pending: list[bytes] = []  # the stream's chunks not yet settled, in order
         self._fed = 0  # bytes `feed` put in `pending` since it was last settled
+        # The model named in the event that held the usage, once `end` found one.
+        self.model: str | None = None
 
     def feed(self, chunks: list[bytes]) -> None:
         """The stream's next chunks, in order (a list: what one read brought)."""
@@ -405,8 +434,9 @@ class StreamUsage:
             if start or not self._cut:  # the first line of a cut tail is not whole
                 line = data[start:end]
                 if len(line) <= self._max_line and line.startswith(_FIRST_EVENT):
-                    found = _from_doc(line[5:])
+                    found, model = _from_named_doc(line[5:])
                     if found is not None:
+                        self.model = model
                         return found
             at = data.rfind(_USAGE, 0, start)
         return None
@@ -419,12 +449,16 @@ class StreamUsage:
         and one cut short before its usage came (the client left, the engine broke off),
         still count what they sent: a client cannot get round a token limit by leaving
         just before the end. None for a stream that sent no event."""
+        return self.both()[0]
+
+    def both(self) -> tuple[Usage | None, Usage | None]:
+        """The stream is over: what it counts as (``counted``), and the usage the engine
+        reported (``end``), found once for both."""
         found = self.end()
         if found is None:
             events = self.events()
-            if events:
-                return Usage(0, events)
-        return found
+            return (Usage(0, events) if events else None), None
+        return found, found
 
 
 def _events_in(data: bytes | bytearray, start: int, end: int) -> int:

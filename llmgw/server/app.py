@@ -41,14 +41,17 @@ from llmgw.server.dependencies import from_states
 from llmgw.server.errors import ApiError, error_response, store_refusal
 from llmgw.server.leadership import Leadership, server_name
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
+from llmgw.server.metrics_targets import metrics_targets
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai import spec
 from llmgw.server.openai.admission import GatewayContext
 from llmgw.server.openai.proxy import upstream_pool
 from llmgw.server.openai.router import Router
+from llmgw.server.openai.trail import trail_for
 from llmgw.server.openai.usage import UsageRecorder
 from llmgw.server.probe import EngineProbe
 from llmgw.store import Store, StoreError, StoreSchemaMissing, StoreUnavailable
+from llmgw.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +180,9 @@ async def _housekeeping(store: Store) -> None:
         await asyncio.sleep(_HOUSEKEEPING_S)
 
 
-def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str) -> Server:
+def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str,
+          tracing: Tracing | None = None) -> Server:
+    """``tracing``: instead of one built from ``config.tracing`` (a test's exporter)."""
     timeouts = Timeouts(config.nodes.unreachable_after_s, config.nodes.lost_after_s)
     policy = reconcile.Policy(
         restart_backoff_initial_s=config.controller.restart_backoff_initial_s,
@@ -191,6 +196,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                             settings=config,
                             follow_interval_s=config.controller.follow_interval_s)
     name = config.name or server_name(config.listen.host, config.listen.port)
+    tracing = tracing or Tracing(config.tracing, default_service="llmgw-server",
+                                 instance=name)
+    controller.tracing = tracing
     leadership = Leadership(store, name, f"{config.listen.host}:{config.listen.port}",
                             config.controller.lease_s)
     leadership.on_lead(controller.took_lead)
@@ -208,7 +216,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     controller.on_change(lambda c: router.update(c.ready_endpoints()))
     controller.load = router.in_flight
     usage = UsageRecorder(store)
-    metrics = Metrics(controller, router, Access.from_config(config))
+    metrics = Metrics(controller, router, Access.from_config(config), stats=controller.stats,
+                      store=store, tls=config.tls,
+                      trail=trail_for(config, tracing, controller))
     auth = config.auth
     throttle = LoginThrottle(auth.login_attempts, auth.login_window_s,
                              auth.login_throttle_capacity)
@@ -239,15 +249,16 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             await asyncio.gather(*tasks, return_exceptions=True)
             await leadership.stop()
             await upstream.close()
+            await asyncio.to_thread(tracing.shutdown)  # sends what is batched
 
-    handlers = [healthz, metrics_endpoint, agent_stream, *openai_routes.ROUTES,
+    handlers = [healthz, metrics_endpoint, metrics_targets, agent_stream, *openai_routes.ROUTES,
                 *admin.ROUTES, *join_routes.ROUTES]
     app = Litestar(
         route_handlers=[_options_for(handlers), *handlers],
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,
-            "leadership": leadership,
+            "leadership": leadership, "tracing": tracing,
             "admin_token": admin_token, "started_at": time.time(),
             "throttle": throttle, "hasher": hasher, "metrics": metrics, "usage": usage,
             "api_keys": gateway.api_keys, "gateway": gateway,

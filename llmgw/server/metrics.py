@@ -1,21 +1,30 @@
 """``/metrics``: the gateway and the cluster in Prometheus' text format.
 
 Each app has its own ``CollectorRegistry`` (never the process-global one), so a test can
-build several servers in one process. Two kinds of series:
+build several servers in one process. Three kinds of series:
 
 - **per request**, recorded by the gateway as requests finish (:meth:`Metrics.request_done`,
-  :meth:`~Metrics.first_byte`, :meth:`~Metrics.retry`, :meth:`~Metrics.refused`). Each
-  series is resolved once per (model, kind) and cached, and kept as plain numbers that the
+  :meth:`~Metrics.first_byte`, :meth:`~Metrics.stream_series`, :meth:`~Metrics.retry`,
+  :meth:`~Metrics.refused`). Each series is resolved once per
+  (model, kind) and cached, and kept as plain numbers (server/series.py) that the
   registry reads when scraped, so a call is a dict lookup and an addition or two: well
   under a microsecond, with no lock (only the event loop records and scrapes).
-- **read at scrape time** from the router and the controller (queue lengths, requests in
-  flight, replicas ready and wanted, nodes by state): nothing is updated per request, and
-  the scrape runs on the event loop, where those structures live, so it needs no lock.
+- **the controller's**, counted the same way into its ``ControllerStats`` (passes,
+  actions, placement's refusals, agent streams, failed replicas).
+- **read at scrape time** from the router, the controller, the store and the server's
+  certificates (queue lengths, requests in flight, replicas by state, nodes by state,
+  engine installs, whether the store answers, when a certificate expires): nothing is
+  updated per request, and the scrape runs on the event loop, where those structures
+  live, so it needs no lock.
 
 Label values come from fixed sets only. A ``model`` label is a name from the catalog and
 anything else is ``unknown``: a client's ``model`` field never becomes a label as sent
 (one series per typo would grow without bound). ``kind`` is one of :data:`KINDS`,
 ``status`` a class such as ``2xx``, a refusal's ``reason`` one of :data:`REFUSAL_REASONS`.
+An ``owner`` is the username of the account that owns the request's API key: counted by
+the account's id (from the key's record, which only the store makes), named when
+scraped, at most :data:`MAX_OWNERS` of them; ``anonymous`` (no key), ``unowned`` (a key
+of no account) and ``other`` (past the cap, or an id the store no longer names) else.
 
 Who may scrape (:class:`Access`): nobody when ``metrics.enabled`` is false; otherwise a
 request carrying the metrics token (``metrics.token_file``) or the admin token, and a
@@ -26,8 +35,8 @@ scraper gets a token of its own that opens nothing else.
 
 from __future__ import annotations
 
+import logging
 import time
-from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,26 +53,48 @@ from prometheus_client import (
 )
 from prometheus_client.core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
 )
-from prometheus_client.utils import floatToGoString
 
-from llmgw.core.inventory import NodeState
 from llmgw.core.names import is_loopback_host
-from llmgw.core.replicas import ReplicaState
 from llmgw.server.auth import admin_token_ok, bearer, read_secret_file
+from llmgw.server.cluster_metrics import (
+    CertificateCollector,
+    ClusterCollector,
+    ControllerCollector,
+    StoreCollector,
+)
 from llmgw.server.dependencies import from_states
 from llmgw.server.errors import error_response
+from llmgw.server.series import Count, Histogram
+from llmgw.store import StoreError
 
 if TYPE_CHECKING:
+    from llmgw.config import ServerTls
+    from llmgw.core.usage import Usage
     from llmgw.server.controller import Controller
+    from llmgw.server.controller_stats import ControllerStats
     from llmgw.server.openai.router import Router
+    from llmgw.server.openai.trail import Trail
+    from llmgw.store import ApiKeyRecord, Store
+
+log = logging.getLogger(__name__)
 
 UNKNOWN_MODEL = "unknown"
 KINDS = ("chat", "completions", "embeddings", "other")
 REFUSAL_REASONS = ("queue_full", "queue_timeout", "rate_limit", "other")
 STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+DIRECTIONS = ("input", "output")
+# Owners named in llmgw_requests_by_owner_total at most; later accounts count as "other".
+MAX_OWNERS = 1000
+ANONYMOUS, UNOWNED, OTHER = "anonymous", "unowned", "other"
+# What an owner is counted by, beside an account's id: no key, a key of no account, and
+# an account past MAX_OWNERS.
+_ANONYMOUS, _UNOWNED, _OTHER = -1, -2, -3
+_OWNER_LABELS = {_ANONYMOUS: ANONYMOUS, _UNOWNED: UNOWNED, _OTHER: OTHER}
+# How often the accounts' names are read again at a scrape when no new owner was counted
+# (an account renamed).
+_OWNERS_STALE_S = 300.0
 
 _KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
                  "/v1/embeddings": "embeddings"}
@@ -71,6 +102,9 @@ _KIND_OF_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "completions
 DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
 FIRST_BYTE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Between two tokens: a few ms on a fast engine, a second on an overloaded one.
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                       0.2, 0.3, 0.5, 1.0, 2.5)
 _FORWARDED = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 
@@ -129,61 +163,52 @@ class _ProcessCollector(ProcessCollector):
             return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-class _Count:
-    """One counter series: a number the event loop adds to."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-
-class _Histogram:
-    """One histogram series as plain numbers: an observation is a bisect and two additions
-    (prometheus_client's takes a lock and walks its buckets in Python, 4-5 µs a request).
-    Only the event loop observes and scrapes, so no lock is needed."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket, the last one +Inf's
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value
-        self.sum += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative, as the exposition has them."""
-        total, out = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += count
-            out.append((floatToGoString(bound), total))
-        return out
-
-
 class _RequestSeries:
-    """The series of one (model, kind), resolved once."""
+    """The series of one (model, kind), resolved once; its tokens are exposed per model."""
 
-    __slots__ = ("by_status", "duration")
+    __slots__ = ("by_status", "duration", "tokens")
 
     def __init__(self) -> None:
-        self.by_status = tuple(_Count() for _ in STATUS_CLASSES)
-        self.duration = _Histogram(DURATION_BUCKETS)
+        self.by_status = tuple(Count() for _ in STATUS_CLASSES)
+        self.duration = Histogram(DURATION_BUCKETS)
+        self.tokens = [0, 0]  # input, output
+
+
+class StreamSeries:
+    """The series one streamed answer of a model adds to: its time to the first token and
+    the time between its next reads (``openai.timing.StreamClock`` observes them)."""
+
+    __slots__ = ("first_token", "inter_token")
+
+    def __init__(self) -> None:
+        self.first_token = Histogram(FIRST_BYTE_BUCKETS)
+        self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
 
 
 class Metrics:
     """The per-app registry, what the gateway records, and the scrape-time collectors.
 
-    What the gateway records per request is kept in plain series of its own (``_Count``,
-    ``_Histogram``) and handed to the registry when it is scraped (``collect``)."""
+    What the gateway records per request is kept in plain series of its own (``Count``,
+    ``Histogram``) and handed to the registry when it is scraped (``collect``).
+
+    ``trail`` is the gateway's other record of each request, its span and access-log
+    line (``openai.trail``); None when neither is asked for, so that a request's end
+    costs a branch for both. The gateway finds it here because this is what it tells of
+    every request's end already.
+
+    ``stats``, ``store`` and ``tls`` (the server's ``config.tls``) feed the controller's
+    series, ``llmgw_store_up``, the owners' names and the certificates' expiry; without
+    them those series are not exposed."""
 
     def __init__(self, controller: Controller, router: Router,
-                 access: Access | None = None, *, process: bool = True) -> None:
+                 access: Access | None = None, *, process: bool = True,
+                 stats: ControllerStats | None = None, store: Store | None = None,
+                 tls: ServerTls | None = None, trail: Trail | None = None) -> None:
         self.controller = controller
         self.router = router
         self.access = access or Access()
+        self.store = store
+        self.trail = trail
         self.registry = CollectorRegistry(auto_describe=True)
         if process:
             _ProcessCollector(registry=self.registry)
@@ -191,18 +216,37 @@ class Metrics:
             GCCollector(registry=self.registry)
         # Each family's series by their labels: what a scrape exposes.
         self._request_series: dict[tuple[str, str], _RequestSeries] = {}
-        self._first_byte_series: dict[str, _Histogram] = {}
-        self._retry_series: dict[str, _Count] = {}
-        self._refusal_series: dict[tuple[str, str], _Count] = {}
+        self._first_byte_series: dict[str, Histogram] = {}
+        self._retry_series: dict[str, Count] = {}
+        self._refusal_series: dict[tuple[str, str], Count] = {}
+        self._stream_series: dict[str, StreamSeries] = {}
         # The same series keyed by what callers pass, but only ever for catalog names (and
         # the fixed kinds): an unknown model goes to the `unknown` series without a cache
         # entry of its own.
         self._series: dict[tuple[str | None, str], _RequestSeries] = {}
-        self._first_bytes: dict[str | None, _Histogram] = {}
-        self._retry_counts: dict[str | None, _Count] = {}
-        self._refusal_counts: dict[tuple[str | None, str], _Count] = {}
+        self._first_bytes: dict[str | None, Histogram] = {}
+        self._retry_counts: dict[str | None, Count] = {}
+        self._refusal_counts: dict[tuple[str | None, str], Count] = {}
+        self._streams: dict[str | None, StreamSeries] = {}
+        # Requests by the owner of their key: by account id (or _ANONYMOUS, _UNOWNED,
+        # _OTHER), named when scraped from what the store last said (id -> username);
+        # and the same by what callers pass (an account id, None for a key of none),
+        # accounts past the cap left out.
+        self._owners: dict[int, tuple[Count, ...]] = {}
+        self._owner_counts: dict[int | None, tuple[Count, ...]] = {}
+        self._accounts = 0  # account ids among them
+        self._owner_names: dict[int, str] = {}
+        self._owners_read_at: float | None = None
+        self._owners_asked: set[int] = set()  # the owners counted at that read
         self.registry.register(self)
-        _ClusterCollector(self, registry=self.registry)
+        ClusterCollector(self, registry=self.registry)
+        if stats is not None:
+            ControllerCollector(stats, self.model_label, registry=self.registry)
+        if store is not None:
+            StoreCollector(store, registry=self.registry)
+        if tls is not None:
+            CertificateCollector({"ca": tls.ca_file, "server": tls.cert_file},
+                                  registry=self.registry)
 
     # --- the request path ------------------------------------------------------------------
 
@@ -212,16 +256,43 @@ class Metrics:
             return model
         return UNKNOWN_MODEL
 
-    def request_done(self, model: str | None, kind: str, status: int, seconds: float) -> None:
+    def request_done(self, model: str | None, kind: str, status: int, seconds: float,
+                     key: ApiKeyRecord | None = None, usage: Usage | None = None) -> None:
         """One request answered (a stream: when its last byte is sent). ``model`` as the
-        client sent it, or None before it was read; ``kind`` from :func:`endpoint_kind`."""
+        client sent it, or None before it was read; ``kind`` from :func:`endpoint_kind`;
+        ``key`` the record of its API key, None without one; ``usage`` the tokens its
+        engine reported, if any."""
         series = self._series.get((model, kind))
         if series is None:
             series = self._child(self._request_series, self._series, (model, kind),
                                  (self.model_label(model), kind if kind in KINDS else "other"),
                                  _RequestSeries)
-        series.by_status[_class_index(status)].n += 1
+        index = _class_index(status)
+        series.by_status[index].n += 1
         series.duration.observe(seconds)
+        if usage is not None:
+            tokens = series.tokens
+            tokens[0] += usage[0]
+            tokens[1] += usage[1]
+        owner = _ANONYMOUS if key is None else key.account_id
+        by_owner = self._owner_counts.get(owner)
+        if by_owner is None:
+            by_owner = self._owner(owner)
+        by_owner[index].n += 1
+
+    def _owner(self, owner: int | None) -> tuple[Count, ...]:
+        counted = _UNOWNED if owner is None else owner
+        if counted >= 0 and counted not in self._owners:
+            if self._accounts >= MAX_OWNERS:
+                counted = _OTHER  # past the cap: every later account is one series
+            else:
+                self._accounts += 1
+        series = self._owners.get(counted)
+        if series is None:
+            series = self._owners[counted] = tuple(Count() for _ in STATUS_CLASSES)
+        if counted != _OTHER:  # an account past the cap is looked up again each time
+            self._owner_counts[owner] = series
+        return series
 
     def first_byte(self, model: str | None, seconds: float) -> None:
         """A streamed answer's first chunk arrived, ``seconds`` after the request did."""
@@ -229,15 +300,23 @@ class Metrics:
         if child is None:
             child = self._child(self._first_byte_series, self._first_bytes, model,
                                 self.model_label(model),
-                                lambda: _Histogram(FIRST_BYTE_BUCKETS))
+                                lambda: Histogram(FIRST_BYTE_BUCKETS))
         child.observe(seconds)
+
+    def stream_series(self, model: str | None) -> StreamSeries:
+        """The series a streamed answer of ``model`` adds to as it goes."""
+        child = self._streams.get(model)
+        if child is None:
+            child = self._child(self._stream_series, self._streams, model,
+                                self.model_label(model), StreamSeries)
+        return child
 
     def retry(self, model: str | None) -> None:
         """A replica refused before answering and the request goes to another one."""
         child = self._retry_counts.get(model)
         if child is None:
             child = self._child(self._retry_series, self._retry_counts, model,
-                                self.model_label(model), _Count)
+                                self.model_label(model), Count)
         child.n += 1
 
     def refused(self, model: str | None, reason: str) -> None:
@@ -247,7 +326,7 @@ class Metrics:
         if child is None:
             why = reason if reason in REFUSAL_REASONS else "other"
             child = self._child(self._refusal_series, self._refusal_counts, (model, reason),
-                                (self.model_label(model), why), _Count)
+                                (self.model_label(model), why), Count)
         child.n += 1
 
     @staticmethod
@@ -264,12 +343,35 @@ class Metrics:
 
     # --- the scrape ------------------------------------------------------------------------
 
+    async def name_owners(self) -> None:
+        """Read the accounts' names from the store, before a scrape, when an owner was
+        counted since the last read that has no name yet, or the names were read long
+        ago. A store that does not answer leaves the names it gave last."""
+        if self.store is None:
+            return
+        now = time.monotonic()
+        read_at = self._owners_read_at
+        new = any(owner >= 0 and owner not in self._owner_names
+                  and owner not in self._owners_asked for owner in self._owners)
+        if read_at is not None and not new and now - read_at < _OWNERS_STALE_S:
+            return
+        self._owners_read_at = now
+        self._owners_asked = set(self._owners)
+        try:
+            accounts = await self.store.list_accounts()
+        except StoreError as err:
+            log.debug("the accounts' names for /metrics were not read: %s", err)
+            return
+        self._owner_names = {a.id: a.username for a in accounts if a.id is not None}
+
     def describe(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         return iter(self._families())
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         """The per-request series, for the registry (which calls this when scraped)."""
-        requests, duration, first_byte, retries, refusals = families = self._families()
+        families = self._families()
+        (requests, duration, first_byte, retries, refusals, tokens, first_token,
+         inter_token, by_owner) = families
         for (model, kind), series in self._request_series.items():
             for status, count in zip(STATUS_CLASSES, series.by_status, strict=True):
                 requests.add_metric([model, kind, status], count.n)
@@ -281,6 +383,28 @@ class Metrics:
             retries.add_metric([model], count.n)
         for (model, reason), count in self._refusal_series.items():
             refusals.add_metric([model, reason], count.n)
+        by_model: dict[str, list[int]] = {}
+        for (model, _), series in self._request_series.items():
+            summed = by_model.setdefault(model, [0, 0])
+            summed[0] += series.tokens[0]
+            summed[1] += series.tokens[1]
+        for model, counts in by_model.items():
+            for direction, n in zip(DIRECTIONS, counts, strict=True):
+                tokens.add_metric([model, direction], n)
+        for model, stream in self._stream_series.items():
+            first_token.add_metric([model], stream.first_token.buckets(),
+                                   stream.first_token.sum)
+            inter_token.add_metric([model], stream.inter_token.buckets(),
+                                   stream.inter_token.sum)
+        owners: dict[str, list[int]] = {}
+        for owner, counts in self._owners.items():
+            name = _OWNER_LABELS.get(owner) or self._owner_names.get(owner, OTHER)
+            summed = owners.setdefault(name, [0] * len(STATUS_CLASSES))
+            for index, count in enumerate(counts):
+                summed[index] += count.n
+        for name, counts in owners.items():
+            for status, n in zip(STATUS_CLASSES, counts, strict=True):
+                by_owner.add_metric([name, status], n)
         return iter(families)
 
     @staticmethod
@@ -299,73 +423,24 @@ class Metrics:
                                 labels=["model"]),
             CounterMetricFamily("llmgw_refusals", "Requests refused with 429, by reason.",
                                 labels=["model", "reason"]),
+            CounterMetricFamily("llmgw_tokens", "Tokens of answers, as their engines "
+                                "reported them: input (prompt) and output (completion).",
+                                labels=["model", "direction"]),
+            HistogramMetricFamily("llmgw_time_to_first_token_seconds",
+                                  "For streamed answers: from the request's arrival to "
+                                  "the first chunk that carries generated text.",
+                                  labels=["model"]),
+            HistogramMetricFamily("llmgw_inter_token_latency_seconds",
+                                  "For streamed answers: the time between two reads of "
+                                  "the engine's stream after the first token (a read is "
+                                  "a token or a few).", labels=["model"]),
+            CounterMetricFamily("llmgw_requests_by_owner",
+                                "Requests answered on /v1 by the account that owns their "
+                                "API key, and status class.", labels=["owner", "status"]),
         ]
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _ClusterCollector:
-    """Gauges read from the router and the controller when Prometheus scrapes."""
-
-    def __init__(self, metrics: Metrics, registry: CollectorRegistry) -> None:
-        self._metrics = metrics
-        registry.register(self)
-
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        return iter(self._families())
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        return iter(self._fill(self._families()))
-
-    @staticmethod
-    def _families() -> list[GaugeMetricFamily]:
-        return [
-            GaugeMetricFamily("llmgw_queue_length",
-                              "Requests waiting for a free slot on one of the model's "
-                              "replicas.", labels=["model"]),
-            GaugeMetricFamily("llmgw_in_flight", "Requests the model's replicas are serving.",
-                              labels=["model"]),
-            GaugeMetricFamily("llmgw_replicas_ready", "Replicas ready to serve.",
-                              labels=["model"]),
-            GaugeMetricFamily("llmgw_replicas_wanted", "Replicas the catalog asks for.",
-                              labels=["model"]),
-            GaugeMetricFamily("llmgw_nodes", "Nodes known to the controller, by state.",
-                              labels=["state"]),
-        ]
-
-    def _fill(self, families: list[GaugeMetricFamily]) -> list[GaugeMetricFamily]:
-        queue, in_flight, ready, wanted, nodes = families
-        metrics = self._metrics
-        controller, router = metrics.controller, metrics.router
-        label = metrics.model_label
-        names = controller.catalog.names()
-        counts: dict[str, dict[str, float]] = {
-            "queue": dict.fromkeys(names, 0), "in_flight": dict.fromkeys(names, 0),
-            "ready": dict.fromkeys(names, 0)}
-        for model, waiting in router.queue_lengths().items():
-            _add(counts["queue"], label(model), waiting)
-        model_of = {rid: r.model for rid, r in controller.replicas.items()}
-        for replica, serving in router.in_flight().items():
-            _add(counts["in_flight"], label(model_of.get(replica)), serving)
-        for replica in controller.replicas.values():
-            if replica.state is ReplicaState.READY:
-                _add(counts["ready"], label(replica.model), 1)
-        for family, key in ((queue, "queue"), (in_flight, "in_flight"), (ready, "ready")):
-            for model, value in counts[key].items():
-                family.add_metric([model], value)
-        for model in controller.catalog.models:
-            wanted.add_metric([model.name], model.replicas)
-        by_state = dict.fromkeys((s.value for s in NodeState), 0)
-        for session in controller.sessions.all():
-            by_state[session.state.value] += 1
-        for state, count in by_state.items():
-            nodes.add_metric([state], count)
-        return families
-
-
-def _add(counts: dict[str, float], key: str, value: float) -> None:
-    counts[key] = counts.get(key, 0) + value
 
 
 @get("/metrics", include_in_schema=False,
@@ -382,5 +457,6 @@ async def metrics_endpoint(request: Request, metrics: NamedDependency[Metrics],
                               "(metrics.token_file), or scrape from the server's own host",
                               code="metrics_token_required",
                               headers={"www-authenticate": "Bearer"})
+    await metrics.name_owners()
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 

@@ -114,6 +114,13 @@ class BodyWriter:
         self._last = b""  # the body's last part written by ``write`` or a sink
 
     @property
+    def client_host(self) -> str | None:
+        """The client's address as the connection has it (None once it left)."""
+        protocol = self._protocol
+        client = protocol.client if protocol is not None else None
+        return client[0] if client else None
+
+    @property
     def last_part(self) -> bytes:
         """The last part of a chunked body that ``write`` or a ``sink`` wrote (``b""``
         before any): where the body stopped, for a caller that would add to it."""

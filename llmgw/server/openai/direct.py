@@ -25,13 +25,12 @@ that broke off after it reached the engine is answered 502 and sent nowhere else
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from llmgw.core.usage import SETTLE_BYTES, StreamUsage
+from llmgw.core.usage import SETTLE_BYTES, StreamUsage, Usage, answer_of, usage_from_body
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.proxy import (
     Retryable,
@@ -45,6 +44,8 @@ from llmgw.server.openai.proxy import (
     write_whole,
 )
 from llmgw.server.openai.router import Lease
+from llmgw.server.openai.timing import StreamClock, timed_sink, timed_write
+from llmgw.server.openai.trail import Done, Origin
 from llmgw.transport.answer import Answer
 from llmgw.transport.errors import Undelivered
 from llmgw.transport.writer import BodyWriter
@@ -69,14 +70,18 @@ class Exchange:
     extensions when it was not the replica's fault (a kept-alive connection the engine
     had closed before the request reached it). Once the answer is over, however it
     ended, it is counted in the gateway's metrics as a request for the ask's model and
-    kind, and what it used against the ask's key, if it has one."""
+    kind, what it used against the ask's key, if it has one, and, with an ``origin``
+    (the request's head, read when a span or access-log line is asked for), it is
+    recorded in the gateway's trail."""
 
-    __slots__ = ("_answer", "_began", "_fall_back", "_gateway", "_kept", "_key_id", "_kind",
-                 "_lease", "_metrics", "_model", "_over", "_reader", "_relayed", "_relaying",
+    __slots__ = ("_answer", "_began", "_clock", "_fall_back", "_gateway", "_kept", "_key",
+                 "_kind", "_lease", "_metrics", "_model", "_origin", "_over", "_path",
+                 "_reader", "_relayed", "_relaying", "_reported", "_response_model",
                  "_status", "_stream", "_streaming", "_usage", "_writer")
 
     def __init__(self, state: GatewayContext, ask: Ask, lease: Lease, answer: Answer,
-                 writer: BodyWriter, fall_back: Callable[[dict | None], None]):
+                 writer: BodyWriter, fall_back: Callable[[dict | None], None],
+                 origin: Origin | None = None):
         self._answer = answer
         self._stream = ask.stream  # the client asked for a stream
         self._lease = lease
@@ -85,10 +90,11 @@ class Exchange:
         self._metrics = state.metrics
         self._model = ask.model
         self._kind = ask.kind
-        key = ask.key
+        self._path = ask.path
+        key = self._key = ask.key
         # Copied out of the ask: each is read on the answer's callbacks.
         self._usage = state.usage if key is not None else None
-        self._key_id = key.id if key is not None else None
+        self._origin = origin
         self._fall_back = fall_back
         self._began = time.perf_counter()
         self._status = 0  # the answer's, once started
@@ -96,6 +102,9 @@ class Exchange:
         self._streaming = False  # relayed as a stream; else kept whole in ``_kept``
         self._kept: list[bytes] | None = None
         self._reader: StreamUsage | None = None
+        self._clock: StreamClock | None = None
+        self._reported: Usage | None = None
+        self._response_model: str | None = None
         self._relayed = False  # some of a stream's body was written
         self._relaying = False  # the stream is relayed as the engine framed it
         answer.watch(self._step)
@@ -109,6 +118,26 @@ class Exchange:
     def first_bytes(self) -> None:
         if self._stream:
             self._metrics.first_byte(self._model, time.perf_counter() - self._began)
+
+    def stream_clock(self) -> StreamClock:
+        clock = self._clock = StreamClock(self._metrics.stream_series(self._model),
+                                          self._began)
+        return clock
+
+    def answered(self, content: bytes) -> None:
+        if self._origin is None:
+            usage = self._reported = usage_from_body(content)
+        else:  # and the model it names, for the span
+            usage, self._response_model = answer_of(content)
+            self._reported = usage
+        if self._usage is not None:
+            self._usage.add(self._key.id, self._model, usage)  # type: ignore[union-attr]
+
+    def streamed(self, reader: StreamUsage) -> None:
+        counted, self._reported = reader.both()
+        self._response_model = reader.model
+        if self._usage is not None:
+            self._usage.add(self._key.id, self._model, counted)  # type: ignore[union-attr]
 
     def _step(self) -> None:
         if self._over:
@@ -164,14 +193,16 @@ class Exchange:
             return True
         self._streaming = True
         self._status = 200
-        reader = self._reader = StreamUsage() if self._usage is not None else None
+        reader = self._reader = StreamUsage()
+        clock = self.stream_clock()
         early = answer.relayable()
         headers = answer_headers(answer.headers, whole=False)
         if early is None:
             if answer.pending:
                 writer.hold()  # the first chunk came with the head: both in one write
             writer.start(200, headers)
-            answer.start_pipe(writer.sink(answer.resume, self._first_bytes, reader))
+            answer.start_pipe(timed_sink(writer.sink(answer.resume, self._first_bytes,
+                                                     reader), clock))
             writer.release()
             return True
         self._relaying = True
@@ -181,8 +212,10 @@ class Exchange:
         else:
             on_first = self._first_bytes
         writer.start(200, headers, then=early)  # the first chunk, if it came, with the head
+        if early:
+            clock.read(early)
         write = writer.relay(b"", answer.pause, answer.resume)
-        answer.start_relay(write, on_first, None if reader is None else reader.feed,
+        answer.start_relay(timed_write(write, clock), on_first, reader.feed,
                            SETTLE_BYTES // 2,  # with what `feed` keeps: SETTLE_BYTES
                            self._relayed_whole)
         return True
@@ -219,8 +252,9 @@ class Exchange:
             if last:
                 if not self._relayed:
                     self._first_bytes()
-                if self._reader is not None:
-                    self._reader.pending.append(last)  # settled as the usage is read
+                # Settled as the usage is read.
+                self._reader.pending.append(last)  # type: ignore[union-attr]
+                self._clock.read(last)  # type: ignore[union-attr]
             if err is None:
                 writer.finish(last)
             else:
@@ -237,10 +271,7 @@ class Exchange:
         self._over = True
         self._writer.on_disconnect(None)
         answer = self._answer
-        usage = self._usage
-        write_whole(self._writer, answer.status, answer.headers, content, self,
-                    None if usage is None else functools.partial(usage.add, self._key_id,
-                                                                 self._model))
+        write_whole(self._writer, answer.status, answer.headers, content, self)
         self._finish()
 
     def _end_piped(self, last: bytes, event: bytes) -> None:
@@ -331,14 +362,27 @@ class Exchange:
 
     def _finish(self) -> None:
         self._close_upstream()
-        if self._reader is not None:
+        reader = self._reader
+        if reader is not None:
             # Counted however the stream ended (broken off, or the client left): the
             # tokens were spent.
-            self._usage.add(self._key_id, self._model, self._reader.counted())
+            self.streamed(reader)
+            self._clock.done()  # type: ignore[union-attr]  # made with the reader
         self._writer.served()
         self._count()
 
     def _count(self) -> None:
-        """The request is over: in the metrics (499 if the client left unanswered)."""
-        self._metrics.request_done(self._model, self._kind, self._status or 499,
-                                   time.perf_counter() - self._began)
+        """The request is over: in the metrics (499 if the client left unanswered), and
+        in the trail when its origin was read for it."""
+        status = self._status or 499
+        seconds = time.perf_counter() - self._began
+        self._metrics.request_done(self._model, self._kind, status, seconds, self._key,
+                                   self._reported)
+        if self._origin is not None:
+            clock = self._clock
+            self._metrics.trail.record(Done(  # type: ignore[union-attr]  # origin: it is on
+                path=self._path, kind=self._kind, model=self._model, status=status,
+                seconds=seconds, stream=self._stream,
+                first_token=None if clock is None else clock.first_token,
+                usage=self._reported, response_model=self._response_model,
+                replica=self._lease.replica, key=self._key), self._origin)

@@ -11,7 +11,6 @@ so the engine stops generating for nobody.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
@@ -19,9 +18,10 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from llmgw.config import Gateway
-from llmgw.core.usage import StreamUsage, Usage, usage_from_body
+from llmgw.core.usage import StreamUsage
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.router import Lease
+from llmgw.server.openai.timing import StreamClock, timed_sink
 from llmgw.transport.answer import Answer
 from llmgw.transport.errors import ConnectError, UpstreamError, UpstreamTimeout
 from llmgw.transport.pool import JSON_TYPE, Pool
@@ -67,17 +67,23 @@ class Retryable(Exception):
     its engine answered 503. Another replica may take it."""
 
 
-UsageSink = Callable[[Usage | None], None]
-
-
 class Progress(Protocol):
-    """Told as the answer goes out, for the request's metrics."""
+    """Told as the answer goes out, for the request's metrics (and its span and log)."""
 
     def started(self, status: int) -> None:
         """The answer's status line is about to be sent."""
 
     def first_bytes(self) -> None:
         """The first bytes of the answer's body are about to be sent."""
+
+    def stream_clock(self) -> StreamClock:
+        """The answer is relayed as a stream: the clock its reads are timed with."""
+
+    def answered(self, content: bytes) -> None:
+        """A whole answer succeeded; ``content`` is its body, which holds its usage."""
+
+    def streamed(self, reader: StreamUsage) -> None:
+        """A stream is over, however it ended; ``reader`` has read its usage."""
 
 ACCEPT_STREAM = b"text/event-stream"
 
@@ -89,10 +95,8 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
     leaves in one write with the first bytes that came with it. Raises ``Retryable`` or
     ``ApiError`` only before anything was sent to the client; the lease is released however
     this ends. What a successful answer used (the tokens the engine reported, or None) is
-    counted once against the request's key, if it has one."""
+    told to ``progress`` once (``Progress.answered``, ``Progress.streamed``)."""
     endpoint, gateway, stream = lease.endpoint, state.config.gateway, ask.stream
-    usage = (None if ask.key is None
-             else functools.partial(state.usage.add, ask.key.id, ask.model))
     try:
         try:
             upstream = await state.upstream.post(
@@ -106,10 +110,9 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
             if stream and is_event_stream(upstream.status, upstream.headers):
-                await _relay(upstream, lease.replica, gateway, send, progress, usage, writer)
+                await _relay(upstream, lease.replica, gateway, send, progress, writer)
             else:
-                await _answer(upstream, lease.replica, gateway, send, progress, usage,
-                              writer)
+                await _answer(upstream, lease.replica, gateway, send, progress, writer)
         finally:
             # Back to the pool when read to the end; dropped where the answer was cut
             # short, which is how the engine learns that nobody is listening any more.
@@ -181,14 +184,13 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 
 async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                  progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
-                  ) -> None:
+                  progress: Progress, writer: BodyWriter | None) -> None:
     try:
         content = await upstream.read()
     except UpstreamError as err:
         raise broken_answer(err, replica, gateway) from None
     if writer is not None:
-        write_whole(writer, upstream.status, upstream.headers, content, progress, usage)
+        write_whole(writer, upstream.status, upstream.headers, content, progress)
         return
     progress.started(upstream.status)
     await send({"type": "http.response.start", "status": upstream.status,
@@ -197,11 +199,11 @@ async def _answer(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     if content:
         progress.first_bytes()
     await send({"type": "http.response.body", "body": content})
-    _count_whole(upstream.status, content, usage)
+    _count_whole(upstream.status, content, progress)
 
 
 def write_whole(writer: BodyWriter, status: int, headers: list[tuple[bytes, bytes]],
-                content: bytes, progress: Progress, usage: UsageSink | None) -> None:
+                content: bytes, progress: Progress) -> None:
     """An engine's whole answer (``status``, its ``headers``, ``content``) written to the
     client at once, head and body in one write, from a task or from a callback."""
     progress.started(status)
@@ -213,17 +215,16 @@ def write_whole(writer: BodyWriter, status: int, headers: list[tuple[bytes, byte
         writer.finish(content)
     finally:
         writer.release()
-    _count_whole(status, content, usage)
+    _count_whole(status, content, progress)
 
 
-def _count_whole(status: int, content: bytes, usage: UsageSink | None) -> None:
-    if usage is not None and 200 <= status < 300:
-        usage(usage_from_body(content))
+def _count_whole(status: int, content: bytes, progress: Progress) -> None:
+    if 200 <= status < 300:
+        progress.answered(content)
 
 
 async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                 progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
-                 ) -> None:
+                 progress: Progress, writer: BodyWriter | None) -> None:
     progress.started(200)
     if writer is not None and upstream.pending:
         # The first chunk came with the head: both go to the client in one write.
@@ -231,25 +232,25 @@ async def _relay(upstream: Answer, replica: str, gateway: Gateway, send: Send,
     try:
         await send({"type": "http.response.start", "status": 200,
                     "headers": answer_headers(upstream.headers, whole=False)})
-        await _body(upstream, replica, gateway, send, progress, usage, writer)
+        await _body(upstream, replica, gateway, send, progress, writer)
     finally:
         if writer is not None:
             writer.release()
 
 
 async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
-                progress: Progress, usage: UsageSink | None, writer: BodyWriter | None
-                ) -> None:
+                progress: Progress, writer: BodyWriter | None) -> None:
     tail = b""
-    reader = StreamUsage() if usage is not None else None
+    reader = StreamUsage()
+    clock = progress.stream_clock()
     sent = _Sent()
     try:
         try:
             if writer is not None:
-                await upstream.pipe(writer.sink(upstream.resume, progress.first_bytes,
-                                                reader))
+                await upstream.pipe(timed_sink(
+                    writer.sink(upstream.resume, progress.first_bytes, reader), clock))
             else:
-                await _copy(upstream, send, progress, reader, sent)
+                await _copy(upstream, send, progress, reader, sent, clock)
         except UpstreamError as err:
             tail = broken_stream(err, replica, gateway)
             if not ends_an_event(writer.last_part if writer is not None else sent.last):
@@ -262,10 +263,10 @@ async def _body(upstream: Answer, replica: str, gateway: Gateway, send: Send,
                 return
         await send({"type": "http.response.body", "body": tail, "more_body": False})
     finally:
-        if reader is not None:
-            # Counted however the stream ended (broken off, or the client left): the
-            # tokens were spent.
-            usage(reader.counted())
+        # Counted however the stream ended (broken off, or the client left): the tokens
+        # were spent.
+        progress.streamed(reader)
+        clock.done()
 
 
 def _silence(replica: str, err: UpstreamTimeout, gateway: Gateway, what: str) -> str:
@@ -286,15 +287,15 @@ class _Sent:
         self.last = b""
 
 
-async def _copy(upstream: Answer, send: Send, progress: Progress,
-                reader: StreamUsage | None, sent: _Sent) -> None:
+async def _copy(upstream: Answer, send: Send, progress: Progress, reader: StreamUsage,
+                sent: _Sent, clock: StreamClock) -> None:
     """The stream chunk by chunk through ``send``, for a server that offers no writer."""
     chunk = await upstream.chunk()
     if chunk:
         progress.first_bytes()
     while chunk:
-        if reader is not None:
-            reader.feed([chunk])
+        reader.feed([chunk])
+        clock.read(chunk)
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         sent.last = chunk
         chunk = await upstream.chunk()

@@ -13,9 +13,10 @@ import multipart
 from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from llmgw.core.usage import StreamUsage, Usage, answer_of, usage_from_body
 from llmgw.server.dependencies import from_states
 from llmgw.server.errors import ApiError, store_refusal
-from llmgw.server.metrics import endpoint_kind
+from llmgw.server.metrics import Metrics, endpoint_kind
 from llmgw.server.openai.admission import (
     Ask,
     GatewayContext,
@@ -26,9 +27,12 @@ from llmgw.server.openai.admission import (
     no_replica,
 )
 from llmgw.server.openai.direct import REFUSED, Exchange
-from llmgw.server.openai.proxy import ACCEPT_STREAM, Progress, Retryable, forward
+from llmgw.server.openai.proxy import ACCEPT_STREAM, Retryable, forward
 from llmgw.server.openai.router import Lease
-from llmgw.store import StoreUnavailable
+from llmgw.server.openai.timing import StreamClock
+from llmgw.server.openai.trail import Done, Origin
+from llmgw.server.openai.usage import UsageRecorder
+from llmgw.store import ApiKeyRecord, StoreUnavailable
 from llmgw.transport.pool import JSON_TYPE, request_bytes
 from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
@@ -216,6 +220,7 @@ class GatewayFront:
         pool = state.upstream
         if pool is None or writer.disconnected:
             return False
+        trail = state.metrics.trail
         path, required, kind = _SERVED_NOW[target]
         try:
             head = _parse(body, required)
@@ -247,7 +252,8 @@ class GatewayFront:
         if answer is None:
             lease.release()
             return False
-        Exchange(state, ask, lease, answer, writer, fall_back)
+        Exchange(state, ask, lease, answer, writer, fall_back,
+                 None if trail is None else trail.origin(headers, writer.client_host))
         return True
 
 
@@ -273,7 +279,9 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
         return await _send_error(send, ApiError(
             400, f"the path {path} has a `.` or `..` segment (plain or escaped as %2e): "
             "it is not forwarded; name the endpoint's own path", code="invalid_path"))
-    seen = _Seen(state.metrics)
+    trail = state.metrics.trail
+    seen = _Seen(state.metrics, None if trail is None else trail.origin(
+        dict(scope["headers"]), scope["client"][0] if scope.get("client") else None))
     try:
         await _serve(state, scope, receive, send, path, required, seen)
     except ClientGone:
@@ -296,22 +304,32 @@ async def _gateway(state, scope: Scope, receive: Receive, send: Send, path: str,
                                              "details", code="internal_error"))
             seen.status = 500
     finally:
-        seen.metrics.request_done(seen.model, endpoint_kind(path), seen.status or 499,
-                                  time.perf_counter() - seen.began)
+        seen.done(path)
 
 
 class _Seen:
-    """What the request showed so far, for its metrics; the proxy calls ``started`` and
-    ``first_bytes`` (proxy.Progress) as the answer goes out, so nothing wraps ``send``."""
+    """What the request showed so far, for its metrics (and its span and access-log line,
+    when its ``origin`` was read for them); the proxy calls what ``proxy.Progress``
+    names as the answer goes out, so nothing wraps ``send``."""
 
-    __slots__ = ("began", "metrics", "model", "status", "stream")
+    __slots__ = ("ask", "began", "clock", "key", "metrics", "model", "origin", "replica",
+                 "reported", "response_model", "status", "stream", "usage")
 
-    def __init__(self, metrics) -> None:
+    def __init__(self, metrics: Metrics, origin: Origin | None = None) -> None:
         self.metrics = metrics
+        self.origin = origin
         self.began = time.perf_counter()
         self.model: str | None = None
+        # The API key's record once authorized, and where what it used is counted.
+        self.key: ApiKeyRecord | None = None
+        self.usage: UsageRecorder | None = None
+        self.ask: Ask | None = None
         self.status = 0
         self.stream = False
+        self.replica: str | None = None
+        self.clock: StreamClock | None = None
+        self.reported: Usage | None = None
+        self.response_model: str | None = None
 
     def started(self, status: int) -> None:
         self.status = status
@@ -320,13 +338,54 @@ class _Seen:
         if self.stream:
             self.metrics.first_byte(self.model, time.perf_counter() - self.began)
 
+    def stream_clock(self) -> StreamClock:
+        self.clock = StreamClock(self.metrics.stream_series(self.model), self.began)
+        return self.clock
+
+    def answered(self, content: bytes) -> None:
+        if self.origin is None:
+            usage = usage_from_body(content)
+        else:  # and the model it names, for the span and the log line
+            usage, self.response_model = answer_of(content)
+        self.reported = usage
+        key = self.key
+        if key is not None:
+            self.usage.add(key.id, self.model, usage)  # type: ignore[union-attr]
+
+    def streamed(self, reader: StreamUsage) -> None:
+        counted, self.reported = reader.both()
+        self.response_model = reader.model
+        key = self.key
+        if key is not None:
+            self.usage.add(key.id, self.model, counted)  # type: ignore[union-attr]
+
+    def done(self, path: str) -> None:
+        """The request is over, however it ended: counted (499 if the client left
+        unanswered), and its span and line recorded when asked for."""
+        status = self.status or 499
+        seconds = time.perf_counter() - self.began
+        kind = endpoint_kind(path)
+        self.metrics.request_done(self.model, kind, status, seconds, self.key, self.reported)
+        if self.origin is None:
+            return
+        ask, clock = self.ask, self.clock
+        self.metrics.trail.record(Done(  # type: ignore[union-attr]  # origin: it is on
+            path=path, kind=kind, model=self.model, status=status, seconds=seconds,
+            stream=self.stream, first_token=None if clock is None else clock.first_token,
+            usage=self.reported, response_model=self.response_model,
+            replica=self.replica, retries=0 if ask is None else len(ask.tried),
+            key=self.key), self.origin)
+
 
 async def _serve(state: GatewayContext, scope: Scope, receive: Receive, send: Send,
                  path: str, required: str | None, seen: _Seen) -> None:
     headers = dict(scope["headers"])  # built in C: quicker than a loop in Python
     authorization = headers.get(b"authorization")
     # The key before the body: nobody without one has a body of up to MAX_BODY read.
-    record = await authorize(state, authorization and authorization.decode("latin-1"))
+    record = seen.key = await authorize(state, authorization and
+                                        authorization.decode("latin-1"))
+    if record is not None:
+        seen.usage = state.usage
     body = await _body(receive)
     content_type = headers.get(b"content-type", b"")
     if required is None and content_type[:len(_FORM)].lower() == _FORM:
@@ -334,7 +393,7 @@ async def _serve(state: GatewayContext, scope: Scope, receive: Receive, send: Se
     else:
         head, content_type = _parse(body, required), JSON_TYPE
     seen.model, seen.stream = head.model, head.stream
-    ask = Ask(path, endpoint_kind(path), head, body, content_type, record)
+    ask = seen.ask = Ask(path, endpoint_kind(path), head, body, content_type, record)
     extensions = scope.get("extensions")
     refused = extensions.get(REFUSED) if extensions else None
     if refused is not None:
@@ -395,7 +454,7 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _route(state: GatewayContext, ask: Ask, send: Send, progress: Progress,
+async def _route(state: GatewayContext, ask: Ask, send: Send, progress: _Seen,
                  writer: BodyWriter | None) -> None:
     """Admit the request and forward it, to another replica while one refuses it before
     any engine worked on it (``proxy.Retryable``), up to _MAX_ATTEMPTS replicas in all."""
@@ -403,6 +462,7 @@ async def _route(state: GatewayContext, ask: Ask, send: Send, progress: Progress
         lease = await admit(state, ask)
         if lease is None:
             break
+        progress.replica = lease.replica
         try:
             return await forward(state, lease, ask, send, progress, writer)
         except Retryable as err:
