@@ -205,6 +205,17 @@ class Tracing(_Config):
     service_name: str | None = None
 
 
+class BundleSettings(_Config):
+    """Bundles this control plane accepts (`llmgw bundle import`, docs/offline.md) and the
+    mirror it serves its nodes from."""
+
+    # Public keys (`llmgw-bundle-ed25519:BASE64`, as `llmgw bundle keygen` prints) whose
+    # signature an import accepts; none accepts no bundle.
+    trusted_keys: list[str] = []
+    # Where imported bundles are kept and served from; "" is <state_dir>/mirror.
+    mirror_dir: str = ""
+
+
 class Logging(_Config):
     """``access: json`` writes one JSON line per /v1 request to the `llmgw.access` logger
     (never prompt or answer text); ``off`` writes none."""
@@ -295,6 +306,7 @@ class ServerConfig(_Config):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     logging: Logging = msgspec.field(default_factory=Logging)
     tracing: Tracing = msgspec.field(default_factory=Tracing)
+    bundle: BundleSettings = msgspec.field(default_factory=BundleSettings)
 
 
 # --- agent.yaml ----------------------------------------------------------------------------
