@@ -16,6 +16,8 @@ MODEL = "sim-traced"
 
 @pytest.fixture
 def receiver(monkeypatch):
+    """Ask for it before make_cluster: it then outlives the processes, which send what
+    they hold as they stop (to a closed port, the exporter retries for seconds)."""
     # The processes export every 100 ms instead of OpenTelemetry's default 5 s.
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     with Receiver() as received:
@@ -27,7 +29,7 @@ def _tracing(receiver: Receiver) -> dict:
 
 
 def test_one_trace_runs_from_placement_to_the_shards_readiness_on_its_node(
-        make_cluster, receiver):
+        receiver, make_cluster):
     weights = {"org/sim-weights": {"model.bin": os.urandom(4096)}}
     with hub_in_thread(weights) as hub:
         model = {"name": MODEL, "replicas": 1, "profiles": [{
@@ -80,7 +82,7 @@ def test_one_trace_runs_from_placement_to_the_shards_readiness_on_its_node(
         assert node_stop.service == "llmgw-agent"
 
 
-def test_a_refused_placement_lists_every_candidate_with_its_reason(make_cluster, receiver):
+def test_a_refused_placement_lists_every_candidate_with_its_reason(receiver, make_cluster):
     # Two CPU nodes, a model that needs a GPU: nowhere to go.
     model = {"name": "needs-gpu", "replicas": 1, "profiles": [{"engine": "sim", "gpus": 1}]}
     c = make_cluster(models=[model], tracing=_tracing(receiver))
