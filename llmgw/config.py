@@ -336,9 +336,10 @@ class Weights(_Config):
     # shared. Created at start when missing.
     directories: Annotated[list[WeightsDirectory], msgspec.Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: [WeightsDirectory(path="/var/lib/llmgw-weights")])
-    # The Hugging Face-style hub hf:// sources are fetched from: the public hub, or the
-    # offline mirror of an air-gapped cluster.
-    hub: str = "https://huggingface.co"
+    # The Hugging Face-style hub hf:// sources are fetched from. Unset: the mirror of the
+    # control plane the agent is connected to, when it serves an imported bundle, else
+    # https://huggingface.co.
+    hub: str | None = None
     # A file holding the hub token, for gated repositories.
     token_file: str | None = None
 

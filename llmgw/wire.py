@@ -187,6 +187,9 @@ class Welcome(_Struct, tag="welcome", tag_field="type"):
     # The leader's term (0: a server that does not elect one). The agent refuses
     # commands from an older term: they come from a server that no longer leads.
     term: int = 0
+    # MIRROR_HUB when the server serves an imported bundle: the path, on the address the
+    # agent dialled, of a Hugging Face-shaped hub of the bundle's models; "" when not.
+    mirror: str = ""
 
 
 class Sidecar(_Struct):
@@ -244,12 +247,26 @@ class StopShard(_Struct, tag="stop_shard", tag_field="type"):
     trace: dict[str, str] = {}
 
 
+# The control plane's mirror of an imported bundle (server/mirror.py), on the address
+# the agent dialled. A URL that starts with MIRROR_SCHEME is relative to that server:
+# "llmgw-mirror:/mirror/files/engines/llama.cpp" is <server>/mirror/files/engines/llama.cpp.
+MIRROR_SCHEME = "llmgw-mirror:"
+MIRROR_FILES = "/mirror/files"
+MIRROR_HUB = "/mirror/hub"
+MIRROR_ENGINES_URL = f"{MIRROR_SCHEME}{MIRROR_FILES}/engines"
+# Register.features: the agent resolves MIRROR_SCHEME URLs; an older one is sent the
+# publisher's (or engine_mirror's) URLs instead.
+FEATURE_MIRROR = "mirror"
+
+
 class EngineWanted(_Struct):
     """One engine the control plane wants on this node (see core.desired_engines).
     Archives are at ``<release_url>/<version>/<file>``; ``digests_url`` is where their
     sha256 come from (a SHA256SUMS file, or GitHub's release JSON), unless ``sha256`` pins
     a file's. A source archive (ComfyUI's tag archive) is at ``<release_url>/<file>``, and
-    only a pinned ``sha256`` is taken for it: GitHub publishes none."""
+    only a pinned ``sha256`` is taken for it: GitHub publishes none. A ``release_url`` on
+    the control plane's mirror (MIRROR_SCHEME) comes with every file pinned, from the
+    bundle's signed manifest, and no ``digests_url``."""
 
     name: str
     version: str

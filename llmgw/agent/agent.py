@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import ssl
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from llmgw import __version__, pki, wire
+from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable, client_context
 from llmgw.agent.discovery import gpus, host, infiniband
 from llmgw.agent.install.manager import EngineInstaller
 from llmgw.agent.runtime import (
@@ -59,10 +59,6 @@ class StreamRefused(Exception):
     """The control plane refused this agent; retried with backoff, and logged with why."""
 
 
-class TlsFilesUnusable(Exception):
-    """tls.* files that cannot make a TLS client; retried, since join may be writing them."""
-
-
 _HANDSHAKE_REFUSALS = {
     401: "it asks for a node certificate: join this node (llmgw agent join URL TOKEN) or set "
          "tls in agent.yaml",
@@ -93,21 +89,6 @@ def check_servers(config: AgentConfig) -> None:
                 "start processes on this node, would cross the network unauthenticated; use "
                 "the server's https:// address (with tls), or set allow_plain_http: true on "
                 "a network you trust")
-
-
-def client_context(tls: AgentTls) -> ssl.SSLContext:
-    """TLS to the control plane: only the cluster CA is trusted, and the node certificate
-    is presented. Read afresh for every connection, so a renewed certificate is used at
-    the next one."""
-    try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.load_cert_chain(tls.cert_file, tls.key_file)
-    except (OSError, ssl.SSLError) as err:
-        words = getattr(err, "strerror", None) or getattr(err, "reason", None) or str(err)
-        raise TlsFilesUnusable(f"tls files {tls.ca_file}, {tls.cert_file}, {tls.key_file}: "
-                               f"{words}; `llmgw doctor` checks them") from None
-    return context
 
 
 def renewal_due(cert_pem: bytes, now: datetime) -> bool:
@@ -245,7 +226,7 @@ class Agent:
             ports_busy=self.ports_busy(self.supervisor.own_ports()),
             agent_version=__version__,
             installable_engines=self.installer.installable(),
-            features=[wire.FEATURE_SHARD_LOGS],
+            features=[wire.FEATURE_SHARD_LOGS, wire.FEATURE_MIRROR],
         )
 
     def heartbeat(self, own_ports: set[int]) -> wire.Heartbeat:
@@ -330,6 +311,12 @@ class Agent:
             self._term = max(self._term, welcome.term) if welcome.term else 0
             log.info("registered with %s as %s (%s)%s", server, self.node_id, self.address,
                      f", leader's term {welcome.term}" if welcome.term else "")
+            # Engines and weights on its mirror are fetched from this server, as dialled.
+            plane = ControlPlane(server, tls, welcome.mirror)
+            self.installer.control_plane = self.weights.control_plane = plane
+            if plane.hub:
+                log.info("the control plane serves a mirror; weights come from %s",
+                         self.weights.hub or plane.hub)
             logs = ShardLogs(self.runtime, self.supervisor.running, self._send)
             tasks = [asyncio.create_task(self._send_loop(ws, welcome.heartbeat_interval_s)),
                      asyncio.create_task(self._probe_loop()), asyncio.create_task(logs.run())]

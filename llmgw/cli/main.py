@@ -8,6 +8,7 @@ import logging
 import sys
 
 from llmgw.cli import agent_join, doctor, engine_check, server_init
+from llmgw.cli import bundle as bundle_commands
 from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import store as store_commands
 from llmgw.cli import weights as weights_commands
@@ -146,6 +147,7 @@ def parser() -> argparse.ArgumentParser:
     store_commands.add_parser(sub)
     doctor.add_parser(sub)
     weights_commands.add_parser(sub)
+    bundle_commands.add_parser(sub)
     return top
 
 

@@ -17,24 +17,49 @@ from there at every start, so keeping the CA beside it adds no new place to guar
 Both listeners (``listen`` and ``tls.agent_listen``) go where the addresses say
 (``listen_host``): on the one IP address given, else on every interface. ``--listen``
 says where, whatever the addresses.
+
+With ``--bundle``, an air-gapped control plane is set up from a bundle: the bundle is
+imported into ``<dir>/mirror`` first (checked against ``--trusted-key`` and ``--sha256``;
+nothing else is written when it is refused), and server.yaml trusts those keys, names the
+bundle's engines at its versions, and declares each of its models with one replica
+(``offline_settings``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
+import re
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from llmgw import pki
-from llmgw.config import Listen, ServerConfig, ServerTls, dump
-from llmgw.core.names import hostport, unbracket, url_host
+from llmgw.config import (
+    BundleSettings,
+    EngineRelease,
+    Listen,
+    Model,
+    Profile,
+    ServerConfig,
+    ServerTls,
+    dump,
+)
+from llmgw.core.engine_names import INSTALLABLE
+from llmgw.core.names import NameRuleError, check_model_name, hostport, unbracket, url_host
+from llmgw.core.weights import SourceError, check_patterns
 from llmgw.files import write_atomically
 
+if TYPE_CHECKING:
+    from llmgw.bundle.manifest import Manifest
+
 DEFAULT_DIR = ServerConfig().state_dir
+# One part of a GGUF split in parts: llama.cpp loads the first, which finds the rest.
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 class InitError(Exception):
@@ -100,21 +125,31 @@ def _private_dir(path: Path) -> None:
     path.chmod(0o700)
 
 
-def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
-         force: bool = False, port: int = 8080, agent_port: int = 8443,
-         node_cert_days: float = 7.0, listen: str | None = None) -> tuple[Path, str]:
-    """Make the CA, the server certificate, the admin token and server.yaml in
-    ``directory``; returns (server.yaml's path, the CA's SHA-256 fingerprint). Both
-    listeners go on ``listen``, or where ``listen_host`` puts them for ``addresses``."""
+def check_fresh(directory: Path, force: bool) -> None:
+    """Refuse a directory that holds a cluster already, unless ``force``."""
     directory = directory.expanduser().resolve()
-    secrets, tls = directory / "secrets", directory / "tls"
     config_path = directory / "server.yaml"
-    existing = [p for p in (secrets / "ca.key", tls / "ca.pem", config_path) if p.exists()]
+    existing = [p for p in (directory / "secrets" / "ca.key", directory / "tls" / "ca.pem",
+                            config_path) if p.exists()]
     if existing and not force:
         raise InitError(
             f"{existing[0]} exists already: this directory holds a cluster. A new CA would "
             "lock out every node that joined it. Pass --force to replace the CA, the server "
             "certificate and server.yaml (then join every node again), or give another --dir")
+
+
+def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
+         force: bool = False, port: int = 8080, agent_port: int = 8443,
+         node_cert_days: float = 7.0, listen: str | None = None,
+         settings: dict[str, Any] | None = None) -> tuple[Path, str]:
+    """Make the CA, the server certificate, the admin token and server.yaml in
+    ``directory``; returns (server.yaml's path, the CA's SHA-256 fingerprint). Both
+    listeners go on ``listen``, or where ``listen_host`` puts them for ``addresses``.
+    ``settings``: more of server.yaml's keys (``offline_settings``)."""
+    directory = directory.expanduser().resolve()
+    secrets, tls = directory / "secrets", directory / "tls"
+    config_path = directory / "server.yaml"
+    check_fresh(directory, force)
     if not addresses:
         raise InitError("give at least one --address the server is reached at")
     host = check_listen(listen) if listen is not None else listen_host(addresses)
@@ -141,11 +176,87 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
                       cert_file=str(tls / "server.pem"), key_file=str(secrets / "server.key"),
                       node_cert_days=node_cert_days,
                       agent_listen=Listen(host=host, port=agent_port),
-                      public_urls=public))
+                      public_urls=public),
+        **(settings or {}))
     header = ("# Written by `llmgw server init`; see docs/configuration.md for every key.\n"
               "# Add models under `models:`.\n")
     write_atomically(config_path, (header + dump(config)).encode(), 0o600)
     return config_path, pki.fingerprint(pki.load_cert(ca_pem))
+
+
+def import_into(directory: Path, bundle: Path, trusted_keys: list[str],
+                sha256: str | None) -> Manifest:
+    """Import ``bundle`` into ``<directory>/mirror`` (the default bundle.mirror_dir) and
+    return its manifest; InitError naming what was wrong when it is refused."""
+    # Imported here: only a command that imports a bundle loads the bundle code.
+    from llmgw.bundle.manifest import BundleError
+    from llmgw.bundle.mirror import import_bundle
+
+    if not trusted_keys:
+        raise InitError("--bundle needs --trusted-key LINE: the public key of whoever made "
+                        "the bundle (llmgw-bundle-ed25519:…, as `llmgw bundle keygen` "
+                        "printed it); its signature is checked against that key")
+    directory = directory.expanduser().resolve()
+    _private_dir(directory)
+    mirror = directory / "mirror"
+    try:
+        return import_bundle(bundle, mirror, trusted_keys, sha256=sha256).manifest
+    except BundleError as err:
+        raise InitError(f"the bundle {bundle} was not imported: {err}") from None
+
+
+def offline_settings(manifest: Manifest, trusted_keys: list[str]
+                     ) -> tuple[dict[str, Any], list[str]]:
+    """server.yaml's keys for a control plane that serves ``manifest``'s bundle, and notes
+    for the operator. Each engine at the bundle's version (the first it lists, when it
+    holds several); each model with one replica, fetched from the mirror as the bundle
+    pinned it (every file the bundle holds of it), on llama.cpp when it has a .gguf file,
+    else on vLLM (which loads a Hugging Face model directory)."""
+    notes: list[str] = []
+    engines: dict[str, EngineRelease] = {}
+    for engine in manifest.engines:
+        if engine.name not in INSTALLABLE:
+            notes.append(f"the bundle's engine {engine.name} is not one nodes install; left "
+                         "out of server.yaml")
+        elif engine.name in engines:
+            notes.append(f"engines.{engine.name}: {engines[engine.name].version}; the bundle "
+                         f"also holds {engine.version}")
+        else:
+            engines[engine.name] = EngineRelease(version=engine.version)
+    if not engines:
+        notes.append("the bundle holds no engine nodes install: server.yaml names none, so "
+                     "nodes run only the engines their agent.yaml names")
+    models: list[Model] = []
+    for bundled in manifest.models:
+        try:
+            check_model_name(bundled.name)
+        except NameRuleError as err:
+            notes.append(f"the bundle's model {bundled.name!r} left out: {err}")
+            continue
+        if bundled.name in {m.name for m in models}:
+            notes.append(f"the bundle names model {bundled.name} twice; the first is declared")
+            continue
+        # The layout of bundle.manifest.model_path.
+        prefix = f"models/{bundled.repo}/{bundled.revision}/"
+        paths = sorted(p.removeprefix(prefix) for p in bundled.files if p.startswith(prefix))
+        engine = "llama.cpp" if any(p.lower().endswith(".gguf") for p in paths) else "vllm"
+        profile: dict[str, Any] = {"engine": engine,
+                                   "source": f"hf://{bundled.repo}@{bundled.revision}"}
+        # A name no pattern can say: no files, so every file the bundle holds of it.
+        with contextlib.suppress(SourceError):
+            profile["files"] = list(check_patterns(paths))
+        ggufs = [p for p in paths if p.lower().endswith(".gguf")
+                 and not p.rsplit("/", 1)[-1].startswith("mmproj")]
+        if len(ggufs) > 1 and not all(_SPLIT_GGUF.search(p) for p in ggufs):
+            notes.append(f"model {bundled.name} holds {len(ggufs)} GGUF files and llama.cpp "
+                         "loads one: keep that one in its files: in server.yaml")
+        if engine not in engines:
+            notes.append(f"model {bundled.name} runs on {engine}, which the bundle does not "
+                         "hold: nodes need it from elsewhere (engines: in server.yaml)")
+        models.append(Model(name=bundled.name, replicas=1, profiles=[Profile(**profile)]))
+    settings = {"engines": engines, "models": models,
+                "bundle": BundleSettings(trusted_keys=list(trusted_keys))}
+    return settings, notes
 
 
 def _where(host: str, port: int, agent_port: int, chosen: bool) -> str:
@@ -159,15 +270,34 @@ def _where(host: str, port: int, agent_port: int, chosen: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     addresses = args.address or default_addresses()
+    manifest, notes = None, []
     try:
         host = check_listen(args.listen) if args.listen is not None else listen_host(addresses)
+        settings: dict[str, Any] = {}
+        if args.bundle is not None:
+            # The bundle first: a refused one leaves no half-made cluster behind.
+            check_fresh(Path(args.dir), args.force)
+            manifest = import_into(Path(args.dir), args.bundle, args.trusted_key or [],
+                                   args.sha256)
+            settings, notes = offline_settings(manifest, args.trusted_key or [])
+        elif args.trusted_key:
+            settings = {"bundle": BundleSettings(trusted_keys=args.trusted_key)}
         config_path, fingerprint = init(Path(args.dir), addresses, args.key_type,
                                         force=args.force, port=args.port,
-                                        agent_port=args.agent_port, listen=host)
+                                        agent_port=args.agent_port, listen=host,
+                                        settings=settings)
     except (InitError, pki.PkiError, OSError) as err:
         print(f"llmgw server init: {err}", file=sys.stderr)
         return 2
     print(f"wrote {config_path} and the cluster CA (SHA-256 {fingerprint})")
+    if manifest is not None:
+        engines = ", ".join(f"{e.name} {e.version}" for e in manifest.engines) or "none"
+        models = ", ".join(f"{m.name} ({m.repo}@{m.revision})" for m in manifest.models)
+        print(f"imported the bundle made {manifest.created_at:%Y-%m-%d %H:%M} UTC into "
+              f"{Path(args.dir).expanduser().resolve() / 'mirror'}: engines {engines}; "
+              f"models {models or 'none'}; server.yaml names them")
+        for note in notes:
+            print(f"llmgw server init: note: {note}", file=sys.stderr)
     print(f"the server certificate names: {', '.join(addresses)}")
     print(_where(host, args.port, args.agent_port, args.listen is not None))
     ip = ipaddress.ip_address(host.split("%")[0])
@@ -205,4 +335,13 @@ def add_parser(server_commands) -> None:
                    help="the agent stream's mTLS port (default 8443)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing CA and server.yaml (every node must join again)")
+    p.add_argument("--bundle", type=Path, metavar="BUNDLE",
+                   help="an air-gapped control plane: import this bundle (a directory or "
+                   "a .tar from `llmgw bundle create`) into DIR/mirror, and write its "
+                   "engines and models into server.yaml (docs/offline.md)")
+    p.add_argument("--trusted-key", action="append", metavar="LINE",
+                   help="a public key (llmgw-bundle-ed25519:…) whose bundles this control "
+                   "plane imports (repeat it); written to bundle.trusted_keys")
+    p.add_argument("--sha256", metavar="HEX",
+                   help="the bundle manifest's sha256, as carried apart from the bundle")
     p.set_defaults(func=run)

@@ -1,11 +1,14 @@
 """Which engines, at which versions, the control plane asks each node for.
 
-Pure: server.yaml's ``engines``, ``engine_mirror`` and ``engine_overrides`` and a node's
-registration in, the list sent to that node (``wire.InstallEngines``) out. The node works
-out the rest itself (the build, the OS packages, whether it runs): see core.builds.
+Pure: server.yaml's ``engines``, ``engine_mirror`` and ``engine_overrides``, what the
+control plane's own mirror holds (an imported bundle's engines, as plain data) and a
+node's registration in, the list sent to that node (``wire.InstallEngines``) out. The node
+works out the rest itself (the build, the OS packages, whether it runs): see core.builds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from llmgw import config, wire
 from llmgw.core.builds import BUILD_NAMES, comfyui_archive
@@ -20,7 +23,7 @@ DEFAULT_VERSIONS: dict[str, str] = {"llama.cpp": "b11434", "vllm": "0.30.0"}
 LEGACY_INSTALLABLE = ("llama.cpp",)
 
 GITHUB = "https://github.com"
-_PUBLISHERS: dict[str, tuple[str, str]] = {
+PUBLISHERS: dict[str, tuple[str, str]] = {
     # engine -> (releases download base, GitHub API release-by-tag URL)
     "llama.cpp": (f"{GITHUB}/ggml-org/llama.cpp/releases/download",
                   "https://api.github.com/repos/ggml-org/llama.cpp/releases/tags/{version}"),
@@ -31,6 +34,11 @@ _PUBLISHERS: dict[str, tuple[str, str]] = {
     "comfyui": (f"{GITHUB}/comfyanonymous/ComfyUI/archive/refs/tags", ""),
 }
 PYPI = "https://pypi.org/simple"
+
+# What the control plane's mirror holds: engine -> version -> {file: sha256}, the files
+# being at <wire.MIRROR_ENGINES_URL>/<engine>/<version>/<file> and their sha256 the signed
+# manifest's (server/mirror.py reads them from the current bundle).
+MirrorEngines = Mapping[str, Mapping[str, Mapping[str, str]]]
 
 
 def _matches(override: config.EngineOverride, node_id: str, inventory: wire.Inventory) -> bool:
@@ -89,8 +97,18 @@ def _unpinned_comfyui(server: config.ServerConfig) -> list[str]:
 
 
 def _wanted(name: str, version: str, build: str, release: config.EngineRelease,
-            mirror: str | None) -> wire.EngineWanted:
-    publisher, digests = _PUBLISHERS[name]
+            mirror: str | None, bundled: Mapping[str, str] | None) -> wire.EngineWanted:
+    publisher, digests = PUBLISHERS[name]
+    if bundled is not None:
+        # The control plane's own mirror: every file pinned from the signed manifest, so a
+        # node never reads a SHA256SUMS that whoever can write the mirror could change.
+        base = f"{wire.MIRROR_ENGINES_URL}/{name}"
+        return wire.EngineWanted(
+            name=name, version=version, build=build,
+            # A source archive sits at <release_url>/<file>, without the version.
+            release_url=f"{base}/{version}" if name == "comfyui" else base,
+            digests_url="", sha256=dict(bundled), index_url=release.index_url or PYPI,
+            exclude_newer=release.exclude_newer)
     if name == "comfyui":
         # GitHub publishes no digest for a tag's source archive, and a mirror's would only
         # repeat what it was given: the sha256 pinned in server.yaml is the only one taken.
@@ -110,13 +128,26 @@ def _wanted(name: str, version: str, build: str, release: config.EngineRelease,
         exclude_newer=release.exclude_newer)
 
 
-def desired_engines(server: config.ServerConfig, register: wire.Register
-                    ) -> list[wire.EngineWanted]:
+def _unnamed_version(name: str, mirror: MirrorEngines) -> str:
+    """The version of an engine server.yaml names without one: the bundle's, when the
+    mirror holds one version of it that is not this release's default, else the default."""
+    default = DEFAULT_VERSIONS.get(name, "")
+    held = mirror.get(name, {})
+    if len(held) == 1 and default not in held:
+        return next(iter(held))
+    return default
+
+
+def desired_engines(server: config.ServerConfig, register: wire.Register,
+                    mirror: MirrorEngines | None = None) -> list[wire.EngineWanted]:
     """The engines to ask ``register``'s node for, by name: server.yaml's, then its
     overrides in order, less what the node disables, what this agent cannot install, any
-    engine with the build ``none`` and any version that is not one safe path element."""
+    engine with the build ``none`` and any version that is not one safe path element. An
+    engine version the control plane's ``mirror`` holds comes from there, to an agent
+    that can reach it (``wire.FEATURE_MIRROR``)."""
+    mirror = mirror or {}
     inventory = register.inventory
-    versions = {name: r.version or DEFAULT_VERSIONS.get(name, "")
+    versions = {name: r.version or _unnamed_version(name, mirror)
                 for name, r in server.engines.items()}
     builds: dict[str, str] = {}
     disabled: set[str] = set(inventory.disabled_engines)
@@ -137,5 +168,7 @@ def desired_engines(server: config.ServerConfig, register: wire.Register
         except NameRuleError:
             continue  # settings_problems says so when the server starts
         release = server.engines.get(name) or config.EngineRelease()
-        wanted.append(_wanted(name, version, build, release, server.engine_mirror))
+        bundled = (mirror.get(name, {}).get(version)
+                   if wire.FEATURE_MIRROR in register.features else None)
+        wanted.append(_wanted(name, version, build, release, server.engine_mirror, bundled))
     return wanted

@@ -42,6 +42,7 @@ from llmgw.server.errors import ApiError, error_response, store_refusal
 from llmgw.server.leadership import Leadership, server_name
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
 from llmgw.server.metrics_targets import metrics_targets
+from llmgw.server.mirror import mirror_route
 from llmgw.server.openai import routes as openai_routes
 from llmgw.server.openai import spec
 from llmgw.server.openai.admission import GatewayContext
@@ -251,8 +252,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
             await upstream.close()
             await asyncio.to_thread(tracing.shutdown)  # sends what is batched
 
-    handlers = [healthz, metrics_endpoint, metrics_targets, agent_stream, *openai_routes.ROUTES,
-                *admin.ROUTES, *join_routes.ROUTES]
+    handlers = [healthz, metrics_endpoint, metrics_targets, agent_stream, mirror_route,
+                *openai_routes.ROUTES, *admin.ROUTES, *join_routes.ROUTES]
     app = Litestar(
         route_handlers=[_options_for(handlers), *handlers],
         lifespan=[lifespan],

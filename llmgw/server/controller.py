@@ -48,6 +48,7 @@ from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
 from llmgw.server.agents.shard_logs import ShardLogs
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller_stats import ControllerStats
+from llmgw.server.mirror import mirror_engines
 from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
 from llmgw.store.leases import Fenced
 from llmgw.tracing import OFF, Tracing, end
@@ -612,7 +613,7 @@ class Controller:
     def _ask_for_engines(self, msg: wire.Register) -> None:
         """Send the node the engines it should have, when that differs from what it was
         last sent on this stream (a new label or GPU can change it)."""
-        wanted = desired_engines(self.settings, msg)
+        wanted = desired_engines(self.settings, msg, mirror_engines(self.settings))
         if self.engines_sent.get(msg.node_id) == wanted:
             return
         # The node's installs continue this trace.

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import http.server
 import itertools
-import platform
 import shutil
 import subprocess
 import tarfile
@@ -27,22 +26,18 @@ import httpx
 import psutil
 
 from llmgw import wire
-from llmgw.agent.install.manager import EngineInstaller, parse_digests
+from llmgw.agent.install.manager import EngineInstaller
 from llmgw.config import AgentConfig
 from llmgw.core.backoff import RetryPolicy
-from llmgw.core.builds import NodeFacts, candidate_builds
-from llmgw.core.desired_engines import DEFAULT_VERSIONS
+from llmgw.core.builds import NodeFacts
+from llmgw.core.digests import parse_digests
 from tests.integration.cluster import wait_for
+from tests.integration.releases import VERSION, make_release
+from tests.integration.releases import asset as release_asset
 
-VERSION = DEFAULT_VERSIONS["llama.cpp"]
 MODEL = "smollm2-installed"
 # The part of a held download sent before the mirror waits to be released.
 _HELD_PREFIX = 64 * 1024
-
-
-def _asset() -> str:
-    [build] = candidate_builds("llama.cpp", VERSION, NodeFacts(platform.machine()))
-    return build.asset
 
 
 class Mirror:
@@ -93,41 +88,6 @@ class Mirror:
         self.thread.join(10)
 
 
-def _libraries(binary: Path) -> list[Path]:
-    """The shared libraries ``binary`` loads from outside the system's own directories."""
-    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=30,
-                         check=True).stdout
-    found = []
-    for line in out.splitlines():
-        parts = line.split()
-        if "=>" in parts and len(parts) >= 3 and parts[2].startswith("/"):
-            path = Path(parts[2])
-            if not str(path).startswith(("/lib", "/usr/lib")):
-                found.append(path)
-    return found
-
-
-def make_release(server_binary: Path, mirror_root: Path, asset: str) -> Path:
-    """A llama.cpp-shaped release archive: ``llama-<version>/llama-server`` with
-    ggml-rpc-server and the libraries they load beside it (links resolved to files), and
-    the mirror's SHA256SUMS listing it."""
-    directory = mirror_root / "llama.cpp" / VERSION
-    directory.mkdir(parents=True)
-    top = f"llama-{VERSION}"
-    archive = directory / asset
-    bin_dir = server_binary.parent
-    programs = [server_binary] + [p for p in [bin_dir / "ggml-rpc-server"] if p.exists()]
-    libraries = {lib.name: lib for p in programs for lib in _libraries(p)}
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in programs:
-            tar.add(path.resolve(), arcname=f"{top}/{path.name}")
-        for name, path in sorted(libraries.items()):
-            tar.add(path.resolve(), arcname=f"{top}/{name}")
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    (directory / "SHA256SUMS").write_text(f"{digest}  {asset}\n")
-    return archive
-
-
 def _engine(cluster, node_id: str, name: str) -> dict | None:
     nodes = {n["id"]: n for n in cluster.admin("GET", "/api/nodes").json()}
     node = nodes.get(node_id)
@@ -136,7 +96,7 @@ def _engine(cluster, node_id: str, name: str) -> dict | None:
 
 @contextlib.contextmanager
 def _mirror_with_release(tmp_path: Path, server_binary: str) -> Iterator[tuple[Mirror, Path]]:
-    asset = _asset()
+    asset = release_asset()
     archive = make_release(Path(server_binary), tmp_path / "mirror", asset)
     with Mirror(tmp_path / "mirror", hold=asset) as mirror:
         yield mirror, archive
@@ -207,7 +167,7 @@ def test_a_binary_missing_a_library_is_reported_failed_and_placement_says_why(
                    timeout=60)
     subprocess.run(["cc", "-o", source / "llama-server", source / "main.c",
                     "-L", source, "-l:libllmgwneeded.so.1"], check=True, timeout=60)
-    asset = _asset()
+    asset = release_asset()
     directory = tmp_path / "mirror" / "llama.cpp" / VERSION
     directory.mkdir(parents=True)
     with tarfile.open(directory / asset, "w:gz") as tar:

@@ -19,12 +19,14 @@ def server(**yaml) -> config.ServerConfig:
     return config.parse(yaml, config.ServerConfig)
 
 
-def register(node_id="n1", *, gpus=(), labels=None, disabled=(), installable=NEW_AGENT):
+def register(node_id="n1", *, gpus=(), labels=None, disabled=(), installable=NEW_AGENT,
+             features=()):
     return wire.Register(
         node_id=node_id, address="10.0.0.1",
         inventory=wire.Inventory(hostname=node_id, gpus=list(gpus), labels=labels or {},
                                  disabled_engines=list(disabled)),
-        installable_engines=None if installable is None else list(installable))
+        installable_engines=None if installable is None else list(installable),
+        features=list(features))
 
 
 def asked(cfg: config.ServerConfig, reg: wire.Register) -> dict[str, str]:
@@ -164,3 +166,80 @@ def test_every_installable_engine_can_be_asked_for():
     cfg = server(engines={name: {"version": "1.0"} for name in engine_names.INSTALLABLE})
     every = register(installable=engine_names.INSTALLABLE)
     assert asked(cfg, every) == dict.fromkeys(engine_names.INSTALLABLE, "1.0")
+
+
+# --- the control plane's own mirror (an imported bundle) ---------------------------------
+
+ARCHIVE = "llama-b11434-bin-ubuntu-x64.tar.gz"
+VULKAN = "llama-b11434-bin-ubuntu-vulkan-x64.tar.gz"
+BUNDLE = {"llama.cpp": {"b11434": {ARCHIVE: "1a" * 32, VULKAN: "2b" * 32}}}
+
+
+def mirror_agent(node_id="n1", **kwargs):
+    return register(node_id, features=[wire.FEATURE_MIRROR], **kwargs)
+
+
+def test_a_bundled_version_comes_from_the_control_planes_mirror_pinned_by_the_manifest():
+    [llama] = desired_engines(server(), mirror_agent(), BUNDLE)
+    assert (llama.name, llama.version) == ("llama.cpp", "b11434")
+    assert llama.release_url == "llmgw-mirror:/mirror/files/engines/llama.cpp"
+    assert llama.release_url == f"{wire.MIRROR_ENGINES_URL}/llama.cpp"
+    # Every file pinned from the manifest; no list of digests is ever read from the mirror.
+    assert llama.sha256 == {ARCHIVE: "1a" * 32, VULKAN: "2b" * 32}
+    assert llama.digests_url == ""
+
+
+def test_the_mirror_wins_over_engine_mirror_and_over_pins_in_server_yaml():
+    cfg = server(engine_mirror="http://mirror.lan/engines",
+                 engines={"llama.cpp": {"sha256": {ARCHIVE: "ff" * 32}}})
+    [llama] = desired_engines(cfg, mirror_agent(), BUNDLE)
+    assert llama.release_url.startswith(wire.MIRROR_SCHEME)
+    assert llama.sha256[ARCHIVE] == "1a" * 32
+
+
+def test_a_version_the_bundle_lacks_comes_from_where_it_did():
+    cfg = server(engines={"llama.cpp": {"version": "b12000"}})
+    [llama] = desired_engines(cfg, mirror_agent(), BUNDLE)
+    assert llama.version == "b12000"
+    assert llama.release_url == "https://github.com/ggml-org/llama.cpp/releases/download"
+    assert llama.sha256 == {}
+
+
+def test_without_a_version_in_server_yaml_the_bundles_one_version_is_taken():
+    bundle = {"llama.cpp": {"b12000": {ARCHIVE.replace("11434", "12000"): "3c" * 32}}}
+    [llama] = desired_engines(server(), mirror_agent(), bundle)
+    assert llama.version == "b12000" and llama.release_url.startswith(wire.MIRROR_SCHEME)
+    # Several, none of them this release's default: which one is not guessed.
+    several = {"llama.cpp": {"b12000": {}, "b12001": {}}}
+    [llama] = desired_engines(server(), mirror_agent(), several)
+    assert llama.version == "b11434" and not llama.release_url.startswith(wire.MIRROR_SCHEME)
+    # The default among several: that one.
+    [llama] = desired_engines(server(), mirror_agent(), {"llama.cpp": {
+        "b12000": {}, "b11434": {ARCHIVE: "1a" * 32}}})
+    assert llama.version == "b11434" and llama.sha256 == {ARCHIVE: "1a" * 32}
+
+
+def test_an_agent_that_cannot_reach_the_mirror_is_sent_the_usual_urls():
+    # An older agent would try to download "llmgw-mirror:/…" as it is.
+    [llama] = desired_engines(server(), register(), BUNDLE)
+    assert llama.release_url == "https://github.com/ggml-org/llama.cpp/releases/download"
+    assert llama.sha256 == {}
+
+
+def test_an_overrides_version_is_mirrored_for_the_nodes_it_picks():
+    bundle = {"llama.cpp": {"b11434": {ARCHIVE: "1a" * 32}, "b11500": {"x.tar.gz": "4d" * 32}}}
+    cfg = server(engine_overrides=[{"labels": {"pool": "canary"},
+                                    "versions": {"llama.cpp": "b11500"}}])
+    [canary] = desired_engines(cfg, mirror_agent(labels={"pool": "canary"}), bundle)
+    assert (canary.version, canary.sha256) == ("b11500", {"x.tar.gz": "4d" * 32})
+    [stable] = desired_engines(cfg, mirror_agent(), bundle)
+    assert (stable.version, stable.sha256) == ("b11434", {ARCHIVE: "1a" * 32})
+
+
+def test_a_mirrored_comfyui_archive_sits_under_its_version():
+    bundle = {"comfyui": {"0.3.60": {"v0.3.60.tar.gz": "cd" * 32}}}
+    cfg = server(engines={"comfyui": {"version": "0.3.60"}})
+    gpu = mirror_agent(gpus=[H100], installable=[*NEW_AGENT, "comfyui"])
+    [comfyui] = desired_engines(cfg, gpu, bundle)
+    assert comfyui.release_url == "llmgw-mirror:/mirror/files/engines/comfyui/0.3.60"
+    assert (comfyui.digests_url, comfyui.sha256) == ("", {"v0.3.60.tar.gz": "cd" * 32})

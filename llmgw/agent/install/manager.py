@@ -7,7 +7,10 @@ and runs: an archive (llama.cpp) through ``archives``, a Python environment (vLL
 SGLang) through ``pyenv``, a source archive beside its environment (ComfyUI) through
 ``comfyui``, with the OS packages the build needs through ``ospkg``. An
 engine named in agent.yaml is the operator's on purpose: it is never replaced, and is
-reported by the agent as ``configured``. Nothing found on PATH is ever reported.
+reported by the agent as ``configured``. Nothing found on PATH is ever reported. A file
+asked for on the control plane's mirror (``wire.MIRROR_SCHEME``) is downloaded from the
+server the agent dialled, with the node's TLS (``control_plane``), and checked against the
+sha256 the request pins from the bundle's signed manifest.
 
 What the control plane sees, per engine, in ``Inventory.engines``: ``installing`` ("installing:
 downloading llama-b11434-bin-ubuntu-x64.tar.gz (16 MB)"), ``installed``, ``failed``
@@ -22,11 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -34,6 +36,7 @@ import msgspec
 from opentelemetry.context import Context
 
 from llmgw import wire
+from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable, is_mirrored
 from llmgw.agent.discovery import gpus, host
 from llmgw.agent.install import ospkg
 from llmgw.agent.install.pypi import InstallError
@@ -41,6 +44,7 @@ from llmgw.config import AgentConfig
 from llmgw.core import engine_names
 from llmgw.core.backoff import INSTALL_RETRY, Retry, RetryPolicy, after_failure
 from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
+from llmgw.core.digests import parse_digests
 from llmgw.tracing import OFF, Tracing, end
 
 log = logging.getLogger(__name__)
@@ -62,27 +66,6 @@ def node_facts() -> NodeFacts:
         compute_capabilities=tuple(report.compute_capability[g.uuid] for g in report.gpus
                                    if g.uuid in report.compute_capability),
         gpu_names=tuple(g.name for g in report.gpus))
-
-
-def parse_digests(text: str, asset: str) -> str | None:
-    """The sha256 of ``asset`` from a SHA256SUMS file ("<hex>  <name>", the name maybe
-    marked binary with ``*``) or from GitHub's release JSON (``assets[].digest``)."""
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
-        try:
-            release = json.loads(stripped)
-        except ValueError:
-            return None
-        for entry in release.get("assets", []) if isinstance(release, dict) else []:
-            digest = entry.get("digest") or ""
-            if entry.get("name") == asset and digest.startswith("sha256:"):
-                return digest.removeprefix("sha256:")
-        return None
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].lstrip("*").removeprefix("./") == asset:
-            return parts[0].lower()
-    return None
 
 
 class EngineInstaller:
@@ -115,6 +98,9 @@ class EngineInstaller:
         self._tracing = tracing
         # The control plane's trace of the last list it sent: installs continue it.
         self._asked_in: Context | None = None
+        # The server of the agent's stream, whose mirror serves what is asked for at a
+        # wire.MIRROR_SCHEME URL (set by the agent at each connection).
+        self.control_plane: ControlPlane | None = None
 
     # --- what the agent asks -------------------------------------------------------------
 
@@ -349,24 +335,28 @@ class EngineInstaller:
 
         extra_indexes = (build.torch_index,) if build.torch_index else ()
         if build.kind == "source":
-            return await comfyui.install_comfyui(
-                http, root=self.root, version=want.version, directory=build.directory,
-                url=f"{want.release_url}/{build.asset}", sha256=want.sha256.get(build.asset, ""),
-                index_url=want.index_url, extra_index_urls=extra_indexes,
-                exclude_newer=want.exclude_newer, python=self._python,
-                import_check=_IMPORT_CHECKS[want.name], status=status,
-                min_free_bytes=build.min_free_mib * 2**20)
+            async with self._reaching(http, want, f"{want.release_url}/{build.asset}") as (
+                    session, url):
+                return await comfyui.install_comfyui(
+                    session, root=self.root, version=want.version, directory=build.directory,
+                    url=url, sha256=want.sha256.get(build.asset, ""),
+                    index_url=want.index_url, extra_index_urls=extra_indexes,
+                    exclude_newer=want.exclude_newer, python=self._python,
+                    import_check=_IMPORT_CHECKS[want.name], status=status,
+                    min_free_bytes=build.min_free_mib * 2**20)
         if build.kind == "python":
             found = pyenv.installed_environment(self.root, want.name, build.directory)
             if found is not None:
                 return found
         if build.kind == "archive":
-            url = f"{want.release_url}/{want.version}/{build.asset}"
-            sha256 = await self._digest(http, want, build.asset)
-            path = await archives.install_archive(
-                http, url=url, sha256=sha256, root=self.root,
-                name=want.name, version=build.directory, binary=build.binary, status=status,
-                min_free_bytes=build.min_free_mib * 2**20)
+            sha256 = await self._digest(http, want, build)
+            async with self._reaching(
+                    http, want, f"{want.release_url}/{want.version}/{build.asset}") as (
+                    session, url):
+                path = await archives.install_archive(
+                    session, url=url, sha256=sha256, root=self.root,
+                    name=want.name, version=build.directory, binary=build.binary,
+                    status=status, min_free_bytes=build.min_free_mib * 2**20)
             if build.gpu:
                 await _lists_a_gpu(_binary_in(path, build))
             return path
@@ -386,12 +376,37 @@ class EngineInstaller:
             import_check=_IMPORT_CHECKS[want.name], status=status,
             min_free_bytes=build.min_free_mib * 2**20)
 
+    @contextlib.asynccontextmanager
+    async def _reaching(self, http: aiohttp.ClientSession, want: wire.EngineWanted, url: str
+                        ) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+        """The session and URL to download ``url`` with: as it is, or, on the control
+        plane's mirror, on the server the agent dialled and with the node's TLS."""
+        if not is_mirrored(url):
+            yield http, url
+            return
+        plane = self.control_plane
+        if plane is None:
+            raise InstallError(f"{want.name} {want.version} comes from the control plane's "
+                               "mirror, and this agent has not reached a control plane yet")
+        try:
+            context = plane.ssl_context()
+        except TlsFilesUnusable as err:
+            raise InstallError(str(err)) from None
+        async with aiohttp.ClientSession(timeout=http.timeout,
+                                         connector=aiohttp.TCPConnector(ssl=context)) as session:
+            yield session, plane.resolve(url)
+
     async def _digest(self, http: aiohttp.ClientSession, want: wire.EngineWanted,
-                      asset: str) -> str:
-        """The sha256 the archive must have: pinned in server.yaml, else the publisher's
-        (or the mirror's) list."""
+                      build: Build) -> str:
+        """The sha256 the archive must have: pinned (in server.yaml, or by the bundle the
+        control plane's mirror serves), else the publisher's (or the mirror's) list."""
+        asset = build.asset
         if asset in want.sha256:
             return want.sha256[asset]
+        if is_mirrored(want.release_url):
+            raise InstallError(f"the control plane's bundle holds no {asset} ({want.name} "
+                               f"{want.version}, {build.name} build): make the bundle with "
+                               "the builds this node needs")
         if not want.digests_url:
             raise InstallError(f"no sha256 is known for {asset}: its publisher gives none; "
                                f"pin it in server.yaml under engines.{want.name}.sha256")

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from ssl import SSLContext
 from urllib.parse import quote
 
 import aiohttp
@@ -124,33 +125,40 @@ def check_space(root: Path, total: int, label: str) -> int:
 
 class Hub:
     """A Hugging Face-style hub over one HTTP session: a repository's listing and its
-    files. ``hub`` is the configured hub, the only origin ``token`` is sent to."""
+    files. ``hub`` is the configured hub, the only origin ``token`` is sent to. ``mirror``:
+    the hub is the control plane's mirror, reached with ``ssl`` (the node's TLS), whose
+    refusals say why in their body."""
 
-    def __init__(self, http: aiohttp.ClientSession, hub: str, token: str | None) -> None:
+    def __init__(self, http: aiohttp.ClientSession, hub: str, token: str | None, *,
+                 mirror: bool = False, ssl: SSLContext | bool = True) -> None:
         self.http, self.hub, self.token = http, hub, token
+        self.mirror, self.ssl = mirror, ssl
 
     @classmethod
     @contextlib.asynccontextmanager
     async def connect(cls, hub: str, token: str | None, connect_timeout_s: float,
-                      read_timeout_s: float) -> AsyncIterator[Hub]:
+                      read_timeout_s: float, *, mirror: bool = False,
+                      ssl: SSLContext | bool = True) -> AsyncIterator[Hub]:
         """A Hub on a new session: no limit on the whole (weights are large), only on
         connecting and on each read."""
         timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
                                         sock_connect=connect_timeout_s,
                                         sock_read=read_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            yield cls(http, hub, token)
+            yield cls(http, hub, token, mirror=mirror, ssl=ssl)
 
     @contextlib.asynccontextmanager
     async def _get(self, url: URL, label: str) -> AsyncIterator[aiohttp.ClientResponse]:
         """GET following redirects. The token goes to the configured hub's origin only:
-        never to its CDN, nor to another host a profile's source names."""
+        never to its CDN, nor to another host a profile's source names; so does ``ssl``."""
         for _ in range(MAX_REDIRECTS + 1):
             headers = {}
-            if self.token and url.origin() == URL(self.hub).origin():
+            own = url.origin() == URL(self.hub).origin()
+            if self.token and own:
                 headers["Authorization"] = f"Bearer {self.token}"
             try:
-                resp = await self.http.get(url, headers=headers, allow_redirects=False)
+                resp = await self.http.get(url, headers=headers, allow_redirects=False,
+                                           ssl=self.ssl if own else True)
             except (aiohttp.ClientError, TimeoutError) as err:
                 raise WeightsError(f"fetching {label}: GET {_show(url)}: {_why(err)}") from None
             if resp.status in _REDIRECTS and "Location" in resp.headers:
@@ -162,7 +170,10 @@ class Hub:
                 continue
             try:
                 if resp.status != 200:
-                    raise WeightsError(self._http_error(label, url, resp.status))
+                    words = await _mirror_words(resp) if self.mirror and own else ""
+                    raise WeightsError(
+                        f"fetching {label}: GET {_show(url)} answered {resp.status}: {words}"
+                        if words else self._http_error(label, url, resp.status))
                 yield resp
             finally:
                 resp.release()
@@ -273,6 +284,15 @@ class Hub:
                 raise WeightsError(f"fetching {label}: {f.path}: {what} mismatch: expected "
                                    f"{expected}, got {got}")
         return ManifestFile(path=f.path, size=f.size, sha256=sha256, git_oid=f.git_oid)
+
+
+async def _mirror_words(resp: aiohttp.ClientResponse) -> str:
+    """The reason in the control plane's error envelope; "" when there is none."""
+    try:
+        body = json.loads(await resp.content.read(8192))
+        return str(body["error"]["message"])
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _parse_listing(entries: list, where: str) -> list[Remote]:

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from yarl import URL
 
 from llmgw import wire
+from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable
 from llmgw.agent.discovery import host
 from llmgw.agent.weights.fetch import Hub, Meter, check_space
 from llmgw.agent.weights.manifest import (
@@ -38,6 +39,7 @@ from llmgw.tracing import OFF, Tracing, end
 log = logging.getLogger(__package__)  # "llmgw.agent.weights", as before the split
 
 PARTIAL_PREFIX = ".partial-"
+PUBLIC_HUB = "https://huggingface.co"
 _MAX_NOTES = 10
 
 
@@ -52,12 +54,16 @@ class Directory:
 class WeightsStore:
     """The weights directories of one node."""
 
-    def __init__(self, directories: list[tuple[Path, bool]], hub: str = "https://huggingface.co",
+    def __init__(self, directories: list[tuple[Path, bool]], hub: str | None = None,
                  token: str | None = None, *, connect_timeout_s: float = 30.0,
                  read_timeout_s: float = 120.0, progress_interval_s: float = 2.0) -> None:
+        """``hub``: agent.yaml's weights.hub; None is the control plane's mirror when it
+        serves one, else PUBLIC_HUB (see hub_for)."""
         self.directories = [Directory(Path(p), bool(shared)) for p, shared in directories]
-        self.hub = hub.rstrip("/")
+        self.hub = hub.rstrip("/") if hub else None
         self.token = token or None
+        # The server of the agent's stream (set by the agent at each connection).
+        self.control_plane: ControlPlane | None = None
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.progress_interval_s = progress_interval_s
@@ -233,13 +239,32 @@ class WeightsStore:
         chosen = next((d for d in self.directories if not d.shared), self.directories[0])
         return chosen.path
 
+    def hub_for(self) -> tuple[str, bool]:
+        """The hub hf:// sources come from, and whether it is the control plane's mirror:
+        agent.yaml's weights.hub when set, else the mirror of the server the agent is
+        connected to when it serves one, else the public hub."""
+        if self.hub:
+            return self.hub, False
+        plane = self.control_plane
+        if plane is not None and plane.hub:
+            return plane.hub, True
+        return PUBLIC_HUB, False
+
     async def _fetch(self, key: str, source: str, src: Source, patterns: list[str], label: str,
                      progress: Callable[[str], None], job: trace.Span) -> Path:
-        endpoint = URL(src.endpoint or self.hub)
+        hub_url, mirror = self.hub_for()
+        endpoint = URL(src.endpoint or hub_url)
         root = self._fetch_root()
         step = self.tracing.step
-        async with Hub.connect(self.hub, self.token, self.connect_timeout_s,
-                               self.read_timeout_s) as hub:
+        try:
+            # The node's TLS, for the mirror on an https control plane.
+            ssl = self.control_plane.ssl_context() if mirror and self.control_plane else True
+        except TlsFilesUnusable as err:
+            raise WeightsError(f"fetching {label}: {err}") from None
+        # The token is agent.yaml's, for its hub (or the public one): never the mirror's.
+        async with Hub.connect(hub_url, None if mirror else self.token,
+                               self.connect_timeout_s, self.read_timeout_s,
+                               mirror=mirror, ssl=ssl) as hub:
             with step("list files", job, **{"llmgw.hub": str(endpoint)}) as listing:
                 files = await hub.listing(endpoint, src, patterns, label)
                 listing.set_attribute("llmgw.files", len(files))

@@ -14,7 +14,8 @@ order, and refused at the first failure with a log line that says why:
 4. the store: the serial is one the cluster issued, for that node, and is not revoked.
    Asked at every handshake, never cached, so a revocation bites at the next one.
 
-Then the session runs as on the plain route (``protocol.serve_agent``) with the
+The same admission opens the control plane's mirror (``/mirror/...``, server/mirror.py)
+to a node. Then the session runs as on the plain route (``protocol.serve_agent``) with the
 certificate's node as its identity. Live streams are kept by node and serial in
 ``live.LiveStreams``: revoking a node closes them at once on this server, and a watcher
 polls the store's revocations, so a revocation made on another server sharing the store
@@ -40,6 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from llmgw import pki, wire
 from llmgw.config import ConfigError
 from llmgw.core.names import hostport
+from llmgw.server import mirror
 from llmgw.server.agents.live import LiveStreams
 from llmgw.server.agents.protocol import Identity, StreamClosed, serve_agent
 from llmgw.store import StoreError
@@ -296,6 +298,7 @@ class AgentListener:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get(STREAM_PATH, self._handle)
+        app.router.add_get(mirror.AIOHTTP_ROUTE, self._mirror)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         listen = self.tls.agent_listen
@@ -318,6 +321,18 @@ class AgentListener:
         await self.live.close_all("the server is stopping")
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _mirror(self, request: web.Request) -> web.StreamResponse:
+        """The control plane's mirror, for the nodes this listener admits to the stream."""
+        peer = request.remote or "?"
+        ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        try:
+            await admit(der, self.ca_pem, self.store)
+        except Refused as refusal:
+            log.warning("mirror request from %s refused: %s", peer, refusal.reason)
+            return web.Response(status=refusal.status, text=refusal.reason + "\n")
+        return await mirror.aiohttp_response(self.controller.settings, request, peer)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         peer = request.remote or "?"

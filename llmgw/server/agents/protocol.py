@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from llmgw import wire
 from llmgw.core.names import NameRuleError, check_element
 from llmgw.server.agents.sessions import Close
+from llmgw.server.mirror import welcome_mirror
 
 if TYPE_CHECKING:
     from llmgw.server.controller import Controller
@@ -114,7 +115,7 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
     assert outbox is not None  # attach() gave this connection its own
     await socket.send_bytes(wire.encode(wire.Welcome(
         node_id=msg.node_id, heartbeat_interval_s=controller.heartbeat_interval_s,
-        term=controller.term or 0)))
+        term=controller.term or 0, mirror=welcome_mirror(controller.settings))))
     controller.node_welcomed(msg.node_id, time.time())
     sender = asyncio.create_task(_send_loop(socket, outbox))
     who = f"{msg.node_id} ({peer})"

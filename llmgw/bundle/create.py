@@ -1,0 +1,316 @@
+"""Making a bundle on a connected machine: download what a cluster would, check each
+file against what its publisher says, write files/<path>, then the manifest and its
+signature. The bundle is built in a dotted folder beside the output and takes the
+output's name only when it is complete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiohttp
+
+from llmgw.bundle import manifest as mf
+from llmgw.bundle import signing
+from llmgw.bundle.manifest import BundleError, BundleFile, Manifest
+from llmgw.bundle.remote import Fetcher, git_oid, shown
+from llmgw.core.builds import NodeFacts, Refusal, candidate_builds
+from llmgw.core.desired_engines import DEFAULT_VERSIONS, PUBLISHERS
+from llmgw.core.digests import parse_digests
+from llmgw.core.names import NameRuleError, check_model_name
+from llmgw.core.weights import SourceError, check_patterns, parse_source
+
+DEFAULT_EXPIRY = timedelta(days=90)
+DEFAULT_ARCHES = ("x86_64",)
+MAX_ARCHIVE_BYTES = 4 * 2**30  # as the agent bounds an engine archive
+_DURATION = re.compile(r"(\d+)([dhm])")
+_UNITS = {"d": "days", "h": "hours", "m": "minutes"}
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWant:
+    """One engine version to bundle, for some processors and builds (none: every build
+    llama.cpp publishes for them)."""
+
+    name: str
+    version: str
+    arches: tuple[str, ...] = DEFAULT_ARCHES
+    builds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWant:
+    name: str
+    repo: str
+    revision: str
+    patterns: tuple[str, ...] = ()
+
+
+@dataclass
+class Request:
+    out: Path
+    key_file: Path
+    tar: bool = False
+    engines: list[EngineWant] = field(default_factory=list)
+    models: list[ModelWant] = field(default_factory=list)
+    wheels: Path | None = None
+    llmgw_version: str = ""
+    expires_in: timedelta = DEFAULT_EXPIRY
+    # "" is the engine's publisher (GitHub's releases and digests); otherwise
+    # <release_url>/<version>/<file> with SHA256SUMS beside, as engines.*.release_url.
+    release_url: str = ""
+    hub: str = "https://huggingface.co"
+    hub_token: str | None = None
+    now: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    path: Path
+    manifest: Manifest
+    sha256: str
+    key_id: str
+    size: int
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h`` or ``90m``."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match or int(match[1]) == 0:
+        raise BundleError(f"--expires-in {text!r}: write a number and d, h or m, e.g. 30d")
+    return timedelta(**{_UNITS[match[2]]: int(match[1])})
+
+
+def parse_engine(text: str, arches: tuple[str, ...], builds: tuple[str, ...]) -> EngineWant:
+    """``NAME`` or ``NAME@VERSION`` (the version llmgw was checked against by default)."""
+    name, _, version = text.partition("@")
+    version = version or DEFAULT_VERSIONS.get(name, "")
+    if name not in PUBLISHERS:
+        raise BundleError(f"--engine {text!r}: no engine {name!r}; name one of "
+                          + ", ".join(sorted(PUBLISHERS)))
+    if name != "llama.cpp":
+        raise BundleError(f"--engine {text!r}: bundles carry llama.cpp's archives only; "
+                          f"nodes install {name} from a package index they can reach "
+                          f"(engines.{name}.index_url)")
+    if not version:
+        raise BundleError(f"--engine {text!r}: {name} has no default version; write "
+                          f"{name}@VERSION")
+    mf.check_element(version, f"--engine {text!r}: the version")
+    return EngineWant(name, version, arches, builds)
+
+
+def parse_model(text: str) -> ModelWant:
+    """``NAME=hf://ORG/REPO[@REVISION][:GLOB,...]``."""
+    name, eq, source = text.partition("=")
+    if not eq or not source.startswith("hf://"):
+        raise BundleError(f"--model {text!r}: write NAME=hf://ORG/REPO[@REVISION][:GLOB,...]")
+    where, _, globs = source[len("hf://"):].partition(":")
+    try:
+        check_model_name(name)
+        src = parse_source("hf://" + where)
+        patterns = check_patterns([g for g in globs.split(",") if g]) if globs else ()
+    except (NameRuleError, SourceError) as err:
+        raise BundleError(f"--model {text!r}: {err}") from None
+    return ModelWant(name, src.repo, src.revision, patterns)
+
+
+def llama_cpp_assets(want: EngineWant) -> list[str]:
+    """The archive names core.builds installs from, for each processor and build."""
+    assets: list[str] = []
+    for arch in want.arches:
+        # A CPU node, and a GPU node whose driver runs every CUDA line.
+        nodes = (NodeFacts(arch=arch), NodeFacts(arch=arch, gpus=1, gpu_driver="9999"))
+        found = [candidate_builds("llama.cpp", want.version, n) for n in nodes]
+        refusals = [f for f in found if isinstance(f, Refusal)]
+        if len(refusals) == len(found):
+            raise BundleError(f"llama.cpp for {arch}: {refusals[0].reason}")
+        for builds in found:
+            for build in [] if isinstance(builds, Refusal) else builds:
+                if (not want.builds or build.name in want.builds) and \
+                        build.asset not in assets:
+                    assets.append(build.asset)
+    if not assets:
+        raise BundleError(f"llama.cpp {want.version} has no build {', '.join(want.builds)} "
+                          f"for {', '.join(want.arches)}")
+    return assets
+
+
+class _Builder:
+    def __init__(self, root: Path, fetcher: Fetcher, say: Say) -> None:
+        self.root, self.fetcher, self.say = root, fetcher, say
+        self.files: dict[str, BundleFile] = {}
+
+    def dest(self, path: str) -> Path:
+        return self.root / mf.FILES / mf.check_path(path)
+
+    def add(self, path: str, size: int, sha256: str) -> None:
+        self.files[path] = BundleFile(path=path, size=size, sha256=sha256)
+
+    async def engine(self, want: EngineWant, release_url: str) -> mf.EngineBuild:
+        publisher, digests_url = PUBLISHERS[want.name]
+        if release_url:
+            base = release_url.rstrip("/")
+            digests_url = f"{base}/{want.version}/SHA256SUMS"
+        else:
+            base, digests_url = publisher, digests_url.format(version=want.version)
+        digests, _ = await self.fetcher.text(digests_url)
+        paths = []
+        for asset in llama_cpp_assets(want):
+            expected = parse_digests(digests, asset)
+            if expected is None:
+                raise BundleError(f"{shown(digests_url)} gives no sha256 for {asset}: it is "
+                                  "not published for this version; narrow --build or --arch")
+            path = mf.engine_path(want.name, want.version, asset)
+            paths.append(path)
+            if path in self.files:
+                continue  # the same engine version asked for twice
+            url = f"{base}/{want.version}/{asset}"
+            self.say(f"downloading {url}")
+            size, got = await self.fetcher.download(url, self.dest(path), MAX_ARCHIVE_BYTES)
+            if got != expected:
+                raise BundleError(f"{shown(url)} has sha256 {got}, but its publisher says "
+                                  f"{expected}: the file is corrupt, or not the one published")
+            self.add(path, size, got)
+        return mf.EngineBuild(name=want.name, version=want.version, files=paths)
+
+    async def model(self, want: ModelWant) -> mf.ModelFiles:
+        commit = want.revision if re.fullmatch(r"[0-9a-f]{40}", want.revision) else \
+            await self.fetcher.commit(want.repo, want.revision)
+        listed = await self.fetcher.listing(want.repo, commit)
+        # Dotted files are the repository's git metadata (.gitattributes), never weights.
+        listed = [f for f in listed if not any(e.startswith(".") for e in f.path.split("/"))]
+        chosen = [f for f in listed if not want.patterns or any(
+            fnmatch.fnmatchcase(f.path, p + "*" if p.endswith("/") else p)
+            for p in want.patterns)]
+        if not chosen:
+            raise BundleError(f"model {want.name}: no file of {want.repo}@{want.revision} "
+                              f"matches {', '.join(want.patterns) or 'anything'}")
+        paths = []
+        for f in chosen:
+            try:
+                path = mf.model_path(want.repo, commit, f.path)
+            except BundleError as err:
+                raise BundleError(f"model {want.name}: {err}; leave the file out with "
+                                  "file patterns (NAME=hf://ORG/REPO:GLOB)") from None
+            paths.append(path)
+            if path in self.files:
+                continue  # the same file at the same commit, for another model name
+            self.say(f"downloading {want.repo}@{commit[:12]}/{f.path} ({f.size:,} bytes)")
+            dest = self.dest(path)
+            size, got = await self.fetcher.download(
+                self.fetcher.file_url(want.repo, commit, f.path), dest, f.size)
+            if size != f.size:
+                raise BundleError(f"{want.repo}/{f.path} is {size} bytes; the hub's listing "
+                                  f"says {f.size}")
+            if f.sha256 is not None and got != f.sha256:
+                raise BundleError(f"{want.repo}/{f.path} has sha256 {got}; the hub's "
+                                  f"listing says {f.sha256}")
+            if f.git_oid is not None and git_oid(dest, size) != f.git_oid:
+                raise BundleError(f"{want.repo}/{f.path} is not the file the hub lists "
+                                  "(its git blob id differs)")
+            self.add(path, size, got)
+        return mf.ModelFiles(name=want.name, repo=want.repo, revision=commit, files=paths)
+
+    def wheels(self, folder: Path, version: str) -> mf.LlmgwRelease:
+        paths, platforms = [], set()
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError as err:
+            raise BundleError(f"--wheels {folder}: {err.strerror}") from None
+        for entry in entries:
+            if not entry.is_file():
+                raise BundleError(f"--wheels {folder}: {entry.name} is not a file; the "
+                                  "folder holds wheels (and their lists) only")
+            path = mf.llmgw_path(version, entry.name)
+            if entry.name.endswith(".whl"):
+                platforms.add(entry.name[:-4].split("-")[-1])
+            hasher = hashlib.sha256()
+            dest = self.dest(path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(entry, "rb") as src, open(dest, "xb") as out:
+                while chunk := src.read(2**20):
+                    hasher.update(chunk)
+                    out.write(chunk)
+            self.add(path, dest.stat().st_size, hasher.hexdigest())
+            paths.append(path)
+        if not paths:
+            raise BundleError(f"--wheels {folder} is empty")
+        return mf.LlmgwRelease(version=version, kind="wheels", files=paths,
+                               platforms=sorted(platforms))
+
+
+async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
+    """Make the bundle ``request`` describes at request.out (a folder, or a tar)."""
+    from llmgw import __version__
+
+    private = signing.load_private_key(request.key_file)
+    public = private.public_key()
+    out = request.out
+    if out.exists() or out.is_symlink():
+        raise BundleError(f"{out} exists; give a new name for the bundle")
+    version = mf.check_element(request.llmgw_version or __version__, "--llmgw-version")
+    now = (request.now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
+    try:
+        root = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        raise BundleError(f"cannot write beside {out}: {err.strerror}") from None
+    try:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            builder = _Builder(root, Fetcher(http, request.hub, request.hub_token), say)
+            engines = [await builder.engine(e, request.release_url) for e in request.engines]
+            models = [await builder.model(m) for m in request.models]
+        llmgw = builder.wheels(request.wheels, version) if request.wheels else None
+        manifest = Manifest(
+            llmgw_version=version, created_at=now, expires_at=now + request.expires_in,
+            key_id=signing.key_id(public), llmgw=llmgw, engines=engines, models=models,
+            files=sorted(builder.files.values(), key=lambda f: f.path))
+        data = mf.encode(manifest)
+        (root / mf.MANIFEST).write_bytes(data)
+        (root / mf.SIGNATURE).write_bytes(signing.sign(private, data))
+        if request.tar:
+            _write_tar(root, out)
+        else:
+            os.rename(root, out)
+    except OSError as err:
+        raise BundleError(f"writing the bundle: {err.strerror}: {err.filename}") from None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return Created(out, manifest, hashlib.sha256(data).hexdigest(), manifest.key_id,
+                   sum(f.size for f in manifest.files))
+
+
+def _write_tar(root: Path, out: Path) -> None:
+    """A plain tar: the manifest and signature first, then the files in path order, with
+    no owner names or modes a reader would have to trust."""
+    part = out.with_name(f".{out.name}.part")
+
+    def plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mode = 0o755 if info.isdir() else 0o644
+        return info
+
+    try:
+        with tarfile.open(part, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in (mf.MANIFEST, mf.SIGNATURE):
+                tar.add(root / name, arcname=name, filter=plain)
+            files = root / mf.FILES
+            for path in sorted(files.rglob("*")) if files.exists() else []:
+                tar.add(path, arcname=str(path.relative_to(root)), recursive=False,
+                        filter=plain)
+        os.replace(part, out)
+    finally:
+        part.unlink(missing_ok=True)

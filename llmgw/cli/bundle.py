@@ -1,0 +1,219 @@
+"""``llmgw bundle``: make a signed bundle of what an air-gapped cluster would download,
+and check and import one into the control plane's mirror (docs/offline.md).
+
+Exit codes: 0 done, 2 refused or bad usage (one line on stderr saying what was wrong and
+what to do); an import that is refused leaves the mirror as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from llmgw.config import ServerConfig, load
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bundle",
+        help="make, check and import bundles for air-gapped clusters",
+        description="A bundle holds what a cluster would otherwise download (engine "
+        "archives, model files, llmgw's wheels), each file's size and sha256 in a manifest "
+        "signed with Ed25519. Make it where the internet is; verify and import it on the "
+        "air-gapped control plane, whose nodes then install from its mirror.",
+    )
+    cmds = p.add_subparsers(dest="bundle_command", metavar="COMMAND", required=True)
+
+    k = cmds.add_parser("keygen", help="make a signing key",
+                        description="Write a new Ed25519 private key to FILE (0600) and "
+                        "print its public key line, for the control plane's "
+                        "bundle.trusted_keys.")
+    k.add_argument("file", type=Path, metavar="FILE")
+    k.set_defaults(func=_keygen)
+
+    c = cmds.add_parser(
+        "create", help="make a bundle (on a connected machine)",
+        description="Download engine archives (checked against their publisher's sha256), "
+        "model files (pinned to the commit their revision names, checked against the hub's "
+        "listing) and llmgw's wheels into OUT, and sign the manifest. Prints the manifest's "
+        "sha256: carry it apart from the bundle (on paper, in a ticket) and give it to "
+        "`llmgw bundle import --sha256`.")
+    c.add_argument("out", type=Path, metavar="OUT", help="the bundle folder (or tar) to make")
+    c.add_argument("--tar", action="store_true", help="write OUT as one tar file")
+    c.add_argument("--key", type=Path, required=True, metavar="FILE",
+                   help="the signing key (`llmgw bundle keygen`)")
+    c.add_argument("--engine", action="append", default=[], metavar="NAME[@VERSION]",
+                   help="an engine to bundle (llama.cpp; default version: the one this "
+                   "llmgw was checked against); repeat for several versions")
+    c.add_argument("--arch", action="append", default=[], metavar="ARCH",
+                   help="the nodes' processors (x86_64, aarch64); default x86_64")
+    c.add_argument("--build", action="append", default=[], metavar="BUILD",
+                   help="only these builds (cpu, vulkan, cuda-13.3, cuda-12.8); default all")
+    c.add_argument("--release-url", default="", metavar="URL",
+                   help="where engine archives are: URL/VERSION/FILE with URL/VERSION/"
+                   "SHA256SUMS; default the publisher's GitHub releases")
+    c.add_argument("--model", action="append", default=[],
+                   metavar="NAME=hf://ORG/REPO[@REVISION][:GLOB,...]",
+                   help="a model's files, pinned to the commit REVISION (default main) "
+                   "names now; GLOBs pick files (e.g. '*Q4_K_M.gguf')")
+    c.add_argument("--hub", default="https://huggingface.co", metavar="URL",
+                   help="the Hugging Face-style hub models come from")
+    c.add_argument("--hub-token-file", type=Path, metavar="FILE",
+                   help="a token for gated or private models (sent to --hub only)")
+    c.add_argument("--wheels", type=Path, metavar="DIR",
+                   help="a folder of llmgw's wheels (and its dependencies'), taken as they are")
+    c.add_argument("--llmgw-version", default="", metavar="VERSION",
+                   help="the llmgw release the bundle is for (default this llmgw's)")
+    c.add_argument("--expires-in", default="90d", metavar="DURATION",
+                   help="how long the bundle may be imported: 30d, 12h (default 90d)")
+    c.set_defaults(func=_create)
+
+    v = cmds.add_parser(
+        "verify", help="check a bundle without importing it",
+        description="Check the signature against the trusted keys, the manifest's sha256 "
+        "if given, the expiry, then every file's size and sha256, and that no file is "
+        "missing or extra.")
+    v.add_argument("bundle", type=Path, metavar="BUNDLE", help="a bundle folder or tar")
+    keys = v.add_mutually_exclusive_group(required=True)
+    keys.add_argument("--trusted-key", action="append", metavar="LINE",
+                      help="a public key line (`llmgw bundle keygen` printed it); repeatable")
+    keys.add_argument("--config", "-c", metavar="server.yaml",
+                      help="take the trusted keys from server.yaml's bundle.trusted_keys")
+    v.add_argument("--sha256", metavar="HEX", help="the manifest's sha256, carried apart")
+    v.set_defaults(func=_verify)
+
+    i = cmds.add_parser(
+        "import", help="verify a bundle and make it the mirror's current one",
+        description="Verify the bundle (as `verify`) into the mirror (server.yaml's "
+        "bundle.mirror_dir, else <state_dir>/mirror) and switch the mirror to it. A bundle "
+        "made before the mirror's current one is refused unless --allow-downgrade. Any "
+        "refusal leaves the mirror as it was.")
+    i.add_argument("bundle", type=Path, metavar="BUNDLE", help="a bundle folder or tar")
+    i.add_argument("--config", "-c", required=True, metavar="server.yaml",
+                   help="the control plane's configuration: its trusted keys and mirror")
+    i.add_argument("--sha256", metavar="HEX", help="the manifest's sha256, carried apart")
+    i.add_argument("--allow-downgrade", action="store_true",
+                   help="accept a bundle older than the mirror's current one")
+    i.set_defaults(func=_import)
+
+
+def _fail(command: str, err: Exception) -> int:
+    print(f"llmgw bundle {command}: {err}", file=sys.stderr)
+    return 2
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from llmgw.bundle import signing
+    from llmgw.bundle.manifest import BundleError
+
+    try:
+        line = signing.keygen(args.file)
+    except BundleError as err:
+        return _fail("keygen", err)
+    key_id = signing.key_id(signing.load_public_key(line))
+    print(f"wrote {args.file} (key {key_id}); list this line in server.yaml's "
+          "bundle.trusted_keys:", file=sys.stderr)
+    print(line)
+    return 0
+
+
+def _create(args: argparse.Namespace) -> int:
+    from llmgw.bundle import create
+    from llmgw.bundle.manifest import BundleError
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr)
+
+    try:
+        token = None
+        if args.hub_token_file is not None:
+            try:
+                token = args.hub_token_file.read_text().strip()
+            except OSError as err:
+                raise BundleError(f"--hub-token-file {args.hub_token_file}: "
+                                  f"{err.strerror}") from None
+        arches = tuple(args.arch) or create.DEFAULT_ARCHES
+        request = create.Request(
+            out=args.out, key_file=args.key, tar=args.tar,
+            engines=[create.parse_engine(e, arches, tuple(args.build)) for e in args.engine],
+            models=[create.parse_model(m) for m in args.model], wheels=args.wheels,
+            llmgw_version=args.llmgw_version,
+            expires_in=create.parse_duration(args.expires_in),
+            release_url=args.release_url, hub=args.hub, hub_token=token)
+        if not (request.engines or request.models or request.wheels):
+            raise BundleError("nothing to bundle: give --engine, --model or --wheels")
+        made = asyncio.run(create.create_bundle(request, say))
+    except BundleError as err:
+        return _fail("create", err)
+    m = made.manifest
+    print(f"wrote {made.path}: {len(m.files)} files, {made.size:,} bytes, signed by key "
+          f"{made.key_id}, expires {m.expires_at.isoformat()}", file=sys.stderr)
+    print("carry the manifest's sha256 apart from the bundle and give it to "
+          "`llmgw bundle import --sha256`:", file=sys.stderr)
+    print(f"manifest sha256 {made.sha256}")
+    print(f"key id {made.key_id}")
+    return 0
+
+
+def _trusted(config_path: str) -> tuple[ServerConfig, list[str]]:
+    config = load(config_path, ServerConfig)
+    return config, list(config.bundle.trusted_keys)
+
+
+def _contents(manifest) -> list[str]:
+    lines = []
+    if manifest.llmgw is not None:
+        lines.append(f"llmgw {manifest.llmgw.version} ({manifest.llmgw.kind}, "
+                     f"{len(manifest.llmgw.files)} files)")
+    lines += [f"{e.name} {e.version} ({len(e.files)} files)" for e in manifest.engines]
+    lines += [f"model {m.name}: {m.repo}@{m.revision} ({len(m.files)} files)"
+              for m in manifest.models]
+    return lines
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from llmgw.bundle import verify
+    from llmgw.bundle.manifest import BundleError
+
+    keys = args.trusted_key if args.config is None else _trusted(args.config)[1]
+    try:
+        checked = verify.verify_bundle(args.bundle, keys, args.sha256)
+    except BundleError as err:
+        return _fail("verify", err)
+    except OSError as err:
+        return _fail("verify", f"{err.filename or args.bundle}: {err.strerror}")
+    m = checked.manifest
+    print(f"{args.bundle}: good: signed by key {m.key_id}, made {m.created_at.isoformat()}, "
+          f"expires {m.expires_at.isoformat()}, for llmgw {m.llmgw_version}; "
+          f"{checked.files} files, {checked.size:,} bytes, manifest sha256 {checked.sha256}")
+    for line in _contents(m):
+        print(f"  {line}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from llmgw.bundle import mirror
+    from llmgw.bundle.manifest import BundleError
+
+    config, keys = _trusted(args.config)
+    folder = mirror.configured_dir(config)
+    try:
+        done = mirror.import_bundle(args.bundle, folder, keys, args.sha256,
+                                    args.allow_downgrade)
+    except BundleError as err:
+        return _fail("import", f"{err} (the mirror {folder} is unchanged)")
+    except OSError as err:
+        return _fail("import", f"{err.filename or folder}: {err.strerror}")
+    m = done.manifest
+    if done.unchanged:
+        print(f"{folder}: bundle {done.bundle_id} is already the current one; nothing "
+              "changed")
+        return 0
+    print(f"{folder}: imported bundle {done.bundle_id} (made {m.created_at.isoformat()}, "
+          f"expires {m.expires_at.isoformat()}, for llmgw {m.llmgw_version}): "
+          f"{done.files} files, {done.size:,} bytes")
+    for line in _contents(m):
+        print(f"  {line}")
+    return 0
