@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 import msgspec
 from opentelemetry import trace
 
+import llmgw
 from llmgw import config, wire
 from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
@@ -43,6 +44,7 @@ from llmgw.core.replicas import (
     fail,
     new_replica,
 )
+from llmgw.core.versions import behind_words
 from llmgw.server import replica_table
 from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
 from llmgw.server.agents.shard_logs import ShardLogs
@@ -558,6 +560,9 @@ class Controller:
             self.stats.stream_connects.n += 1
             log.info("node %s registered from %s with %d running shard(s)", msg.node_id,
                      msg.address, len(msg.running))
+            behind = behind_words(llmgw.__version__, msg.agent_version)
+            if behind:
+                log.warning("node %s: %s", msg.node_id, behind)
             self._log_inventory_change(msg, old_inventory)
             self._adopt(msg, now)
             self.sessions.refresh_node(msg.node_id, now)

@@ -10,8 +10,8 @@ from llmgw.cli.ctl.client import call
 from llmgw.cli.ctl.commands import Commands
 from llmgw.cli.ctl.output import done, print_json, show
 
-_COLUMNS = ["node", "state", "address", "fabric", "gpus", "engines", "weights", "replicas",
-            "warnings"]
+_COLUMNS = ["node", "state", "address", "llmgw", "fabric", "gpus", "engines", "weights",
+            "replicas", "warnings"]
 
 
 def nodes_list(args: argparse.Namespace) -> None:
@@ -24,6 +24,7 @@ def _row(node: dict) -> dict:
                      + (" (shared)" if d["shared"] else "")
                      for d in node.get("weights_dirs", []))
     return {"node": node["id"], "state": node["state"], "address": node["address"],
+            "llmgw": node.get("llmgw_version", "unknown"),
             "fabric": node["fabric"], "gpus": _gpu_words(node["gpus"]),
             "engines": ", ".join(_engine_words(e) for e in node["engines"]),
             "weights": disk, "replicas": ", ".join(node["replicas"]),

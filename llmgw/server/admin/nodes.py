@@ -9,7 +9,9 @@ from litestar import get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 
+import llmgw
 from llmgw.core.replicas import Replica
+from llmgw.core.versions import behind_words
 from llmgw.server.admin.common import ADMIN
 from llmgw.server.agents.sessions import NodeSession
 from llmgw.server.controller import Controller
@@ -63,11 +65,16 @@ class NodeView(msgspec.Struct):
     rdma: list[RdmaView]
     replicas: list[str]
     warnings: list[str]
+    # The node's llmgw, as its agent registered ("unknown" from an agent that did not say).
+    llmgw_version: str = "unknown"
 
 
 def node_view(session: NodeSession, replicas: Iterable[Replica]) -> NodeView:
     inv = session.register.inventory
     warnings = []
+    behind = behind_words(llmgw.__version__, session.register.agent_version)
+    if behind:
+        warnings.append(behind)
     flags = set(inv.cpu_flags)
     if flags and "avx2" not in flags and not flags & {"neon", "asimd"}:
         warnings.append("CPU without AVX2: CPU engines run several times slower; on a VM, "
@@ -95,7 +102,9 @@ def node_view(session: NodeSession, replicas: Iterable[Replica]) -> NodeView:
         replicas=sorted(r.id for r in replicas
                         if any(s.node_id == session.node_id for s in r.shards)),
         warnings=warnings,
+        llmgw_version=session.register.agent_version or "unknown",
     )
+
 
 
 @get("/api/nodes", **ADMIN, responses=refusals(401, 403))
