@@ -21,6 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from llmgw.bundle import manifest as mf
+from llmgw.bundle import nix as nixcache
 from llmgw.bundle import signing
 from llmgw.bundle.manifest import BundleError, BundleFile, Manifest
 from llmgw.bundle.remote import Fetcher, git_oid, shown
@@ -66,6 +67,10 @@ class Request:
     engines: list[EngineWant] = field(default_factory=list)
     models: list[ModelWant] = field(default_factory=list)
     wheels: Path | None = None
+    # llmgw's Nix closure instead of wheels: these store paths (or links to them, such as
+    # `nix build`'s result) and everything they reference, copied with this nix command.
+    nix_closure: list[str] = field(default_factory=list)
+    nix: list[str] = field(default_factory=lambda: ["nix"])
     llmgw_version: str = ""
     expires_in: timedelta = DEFAULT_EXPIRY
     # "" is the engine's publisher (GitHub's releases and digests); otherwise
@@ -250,6 +255,23 @@ class _Builder:
         return mf.LlmgwRelease(version=version, kind="wheels", files=paths,
                                platforms=sorted(platforms))
 
+    def nix_closure(self, nix: list[str], given: list[str], version: str,
+                    now: datetime) -> mf.LlmgwRelease:
+        """The closure as a binary cache under llmgw/<version>/nix, signed by a Nix key
+        made for this bundle (nix.py)."""
+        folder = mf.llmgw_path(version, mf.NIX_CACHE)
+        cache = self.dest(folder)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        self.say(f"nix copy: the closure of {' '.join(given)}")
+        public, roots = nixcache.export_closure(nix, given, cache, nixcache.key_name(now))
+        paths = []
+        for rel, size, sha256 in nixcache.cache_files(cache):
+            path = mf.check_path(f"{folder}/{rel}")
+            self.add(path, size, sha256)
+            paths.append(path)
+        return mf.LlmgwRelease(version=version, kind="nix", files=paths,
+                               nix_public_key=public, roots=roots)
+
 
 async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
     """Make the bundle ``request`` describes at request.out (a folder, or a tar)."""
@@ -261,6 +283,9 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
     if out.exists() or out.is_symlink():
         raise BundleError(f"{out} exists; give a new name for the bundle")
     version = mf.check_element(request.llmgw_version or __version__, "--llmgw-version")
+    if request.wheels and request.nix_closure:
+        raise BundleError("--wheels and --nix-closure: a bundle carries llmgw one way; "
+                          "make one bundle for each")
     now = (request.now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
     try:
         root = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -273,6 +298,8 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
             engines = [await builder.engine(e, request.release_url) for e in request.engines]
             models = [await builder.model(m) for m in request.models]
         llmgw = builder.wheels(request.wheels, version) if request.wheels else None
+        if request.nix_closure:
+            llmgw = builder.nix_closure(request.nix, request.nix_closure, version, now)
         manifest = Manifest(
             llmgw_version=version, created_at=now, expires_at=now + request.expires_in,
             key_id=signing.key_id(public), llmgw=llmgw, engines=engines, models=models,

@@ -37,6 +37,13 @@ MAX_PATH = 1024
 
 _ELEMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,254}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The folder under llmgw/<version>/ that holds a Nix binary cache.
+NIX_CACHE = "nix"
+# A Nix store path: Nix's base-32 hash (no e, o, t, u), then a name of Nix's characters.
+_STORE_PATH = re.compile(
+    r"/nix/store/([0-9a-df-np-sv-z]{32})-[A-Za-z0-9+_?=-][A-Za-z0-9+._?=-]{0,210}")
+# `nix key convert-secret-to-public`: NAME:base64 of an Ed25519 public key (32 bytes).
+_NIX_PUBLIC_KEY = re.compile(r"[A-Za-z0-9._+=@-]{1,128}:[A-Za-z0-9+/]{43}=")
 
 
 class BundleError(Exception):
@@ -55,13 +62,15 @@ class BundleFile(_Struct, kw_only=True):
 
 class LlmgwRelease(_Struct, kw_only=True):
     """llmgw itself: its wheels (``uv.lock``'s, per platform) or its Nix closure as a
-    binary cache signed with ``nix_public_key``."""
+    binary cache (under ``llmgw/<version>/nix``) signed with ``nix_public_key``, whose
+    ``roots`` are the store paths to copy out of it."""
 
     version: str
     kind: Literal["wheels", "nix"]
     files: list[str] = []
     platforms: list[str] = []
     nix_public_key: str = ""
+    roots: list[str] = []
 
 
 class EngineBuild(_Struct, kw_only=True):
@@ -129,6 +138,7 @@ def decode(data: bytes, source: str = MANIFEST) -> Manifest:
     parts: list[tuple[str, list[str]]] = []
     if manifest.llmgw is not None:
         check_element(manifest.llmgw.version, "llmgw version")
+        _check_release(manifest.llmgw, source)
         parts.append((f"llmgw {manifest.llmgw.version}", manifest.llmgw.files))
     for engine in manifest.engines:
         check_element(engine.name, "engine name")
@@ -148,6 +158,36 @@ def decode(data: bytes, source: str = MANIFEST) -> Manifest:
                 raise BundleError(f"{source}: {what} names {path}, which the manifest's "
                                   "file list does not have")
     return manifest
+
+
+def _check_release(release: LlmgwRelease, source: str) -> None:
+    """A Nix closure has a Nix public key and roots, each with its narinfo in the bundle;
+    wheels have neither."""
+    what = f"{source}: llmgw {release.version}"
+    if release.kind != "nix":
+        if release.roots or release.nix_public_key:
+            raise BundleError(f"{what}: roots and nix_public_key belong to a Nix closure "
+                              f"(kind nix), not to {release.kind}")
+        return
+    if not _NIX_PUBLIC_KEY.fullmatch(release.nix_public_key):
+        raise BundleError(f"{what}: nix_public_key {release.nix_public_key!r} is not a Nix "
+                          "public key (NAME:base64 of 32 bytes)")
+    if not release.roots:
+        raise BundleError(f"{what}: a Nix closure names its roots (the store paths to copy)")
+    for root in release.roots:
+        hash_part = check_store_path(root, f"{what}: root")
+        narinfo = f"llmgw/{release.version}/{NIX_CACHE}/{hash_part}.narinfo"
+        if narinfo not in release.files:
+            raise BundleError(f"{what}: the root {root} has no {narinfo} in the bundle")
+
+
+def check_store_path(path: str, what: str = "store path") -> str:
+    """A Nix store path (/nix/store/<hash>-<name>), which is never a bundle path; its hash
+    part, which names its narinfo in a binary cache."""
+    match = _STORE_PATH.fullmatch(path)
+    if not match:
+        raise BundleError(f"{what} {path!r} is not a Nix store path (/nix/store/HASH-NAME)")
+    return match[1]
 
 
 def check_element(name: str, what: str) -> str:

@@ -37,9 +37,9 @@ def add_parser(sub) -> None:
         "create", help="make a bundle (on a connected machine)",
         description="Download engine archives (checked against their publisher's sha256), "
         "model files (pinned to the commit their revision names, checked against the hub's "
-        "listing) and llmgw's wheels into OUT, and sign the manifest. Prints the manifest's "
-        "sha256: carry it apart from the bundle (on paper, in a ticket) and give it to "
-        "`llmgw bundle import --sha256`.")
+        "listing) and llmgw's wheels or Nix closure into OUT, and sign the manifest. Prints "
+        "the manifest's sha256: carry it apart from the bundle (on paper, in a ticket) and "
+        "give it to `llmgw bundle import --sha256`.")
     c.add_argument("out", type=Path, metavar="OUT", help="the bundle folder (or tar) to make")
     c.add_argument("--tar", action="store_true", help="write OUT as one tar file")
     c.add_argument("--key", type=Path, required=True, metavar="FILE",
@@ -64,6 +64,13 @@ def add_parser(sub) -> None:
                    help="a token for gated or private models (sent to --hub only)")
     c.add_argument("--wheels", type=Path, metavar="DIR",
                    help="a folder of llmgw's wheels (and its dependencies'), taken as they are")
+    c.add_argument("--nix-closure", action="append", default=[], metavar="STOREPATH",
+                   help="llmgw's Nix closure instead of wheels: a store path or a link to "
+                   "one (./result, a NixOS system built with `nix build`) and all it "
+                   "references, as a binary cache signed with a Nix key made for this "
+                   "bundle; repeatable")
+    c.add_argument("--nix", default="nix", metavar="COMMAND",
+                   help="the nix command for --nix-closure (default: nix on PATH)")
     c.add_argument("--llmgw-version", default="", metavar="VERSION",
                    help="the llmgw release the bundle is for (default this llmgw's)")
     c.add_argument("--expires-in", default="90d", metavar="DURATION",
@@ -98,6 +105,23 @@ def add_parser(sub) -> None:
                    help="accept a bundle older than the mirror's current one")
     i.set_defaults(func=_import)
 
+    n = cmds.add_parser(
+        "nix-copy", help="copy llmgw's Nix closure from the mirror into a Nix store",
+        description="Copy the closure that the mirror's current bundle holds (`create "
+        "--nix-closure`) into a Nix store with `nix copy`, trusting only the Nix key that "
+        "the bundle's signed manifest names and requiring its signatures, then print the "
+        "steps that switch a NixOS machine to a system in it. Run it as root (a trusted "
+        "Nix user) on the control plane.")
+    n.add_argument("--config", "-c", required=True, metavar="server.yaml",
+                   help="the control plane's configuration: where its mirror is")
+    n.add_argument("--to", metavar="STORE",
+                   help="the Nix store to copy into (default: the machine's own)")
+    n.add_argument("--nix", default="nix", metavar="COMMAND",
+                   help="the nix command (default: nix on PATH)")
+    n.add_argument("--print", action="store_true", dest="print_only",
+                   help="print the commands instead of running them")
+    n.set_defaults(func=_nix_copy)
+
 
 def _fail(command: str, err: Exception) -> int:
     print(f"llmgw bundle {command}: {err}", file=sys.stderr)
@@ -120,7 +144,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    from llmgw.bundle import create
+    from llmgw.bundle import create, nix
     from llmgw.bundle.manifest import BundleError
 
     def say(text: str) -> None:
@@ -139,11 +163,13 @@ def _create(args: argparse.Namespace) -> int:
             out=args.out, key_file=args.key, tar=args.tar,
             engines=[create.parse_engine(e, arches, tuple(args.build)) for e in args.engine],
             models=[create.parse_model(m) for m in args.model], wheels=args.wheels,
+            nix_closure=args.nix_closure, nix=nix.parse_command(args.nix),
             llmgw_version=args.llmgw_version,
             expires_in=create.parse_duration(args.expires_in),
             release_url=args.release_url, hub=args.hub, hub_token=token)
-        if not (request.engines or request.models or request.wheels):
-            raise BundleError("nothing to bundle: give --engine, --model or --wheels")
+        if not (request.engines or request.models or request.wheels or request.nix_closure):
+            raise BundleError("nothing to bundle: give --engine, --model, --wheels or "
+                              "--nix-closure")
         made = asyncio.run(create.create_bundle(request, say))
     except BundleError as err:
         return _fail("create", err)
@@ -167,6 +193,7 @@ def _contents(manifest) -> list[str]:
     if manifest.llmgw is not None:
         lines.append(f"llmgw {manifest.llmgw.version} ({manifest.llmgw.kind}, "
                      f"{len(manifest.llmgw.files)} files)")
+        lines += [f"nix closure of {root}" for root in manifest.llmgw.roots]
     lines += [f"{e.name} {e.version} ({len(e.files)} files)" for e in manifest.engines]
     lines += [f"model {m.name}: {m.repo}@{m.revision} ({len(m.files)} files)"
               for m in manifest.models]
@@ -216,4 +243,43 @@ def _import(args: argparse.Namespace) -> int:
           f"{done.files} files, {done.size:,} bytes")
     for line in _contents(m):
         print(f"  {line}")
+    return 0
+
+
+def _nix_copy(args: argparse.Namespace) -> int:
+    import shlex
+    import subprocess
+
+    from llmgw.bundle import mirror, nix
+    from llmgw.bundle.manifest import BundleError
+
+    config = load(args.config, ServerConfig)
+    try:
+        command = nix.parse_command(args.nix)
+        found = nix.from_mirror(mirror.configured_dir(config))
+        argv = [*command, *nix.copy_args(found, args.to)]
+    except BundleError as err:
+        return _fail("nix-copy", err)
+    release, steps = found.release, nix.switch_steps(found.release.roots)
+    switch = ["# then, on the machine each system is for, as root:", *steps] if steps else []
+    if args.print_only:
+        print(f"# llmgw {release.version}'s closure from bundle {found.bundle_id}, "
+              "trusting only the key its signed manifest names:")
+        print(shlex.join(argv))
+        for line in switch:
+            print(line)
+        return 0
+    try:
+        done = subprocess.run(argv, check=False)
+    except FileNotFoundError:
+        return _fail("nix-copy", f"{command[0]}: no such command: install Nix, or give its "
+                     "path with --nix")
+    if done.returncode != 0:
+        return _fail("nix-copy", f"nix copy exited {done.returncode} (its message is above): "
+                     f"the closure of bundle {found.bundle_id} was not taken; run "
+                     "`llmgw bundle nix-copy --print` to see the command")
+    print(f"copied llmgw {release.version}'s closure from bundle {found.bundle_id} into "
+          f"{args.to or 'the Nix store'}: " + " ".join(release.roots))
+    for line in switch:
+        print(line)
     return 0
