@@ -65,7 +65,7 @@ from llmgw.server.cluster_metrics import (
     StoreCollector,
 )
 from llmgw.server.dependencies import from_states
-from llmgw.server.errors import error_response
+from llmgw.server.errors import ApiError
 from llmgw.server.series import Count, Histogram
 from llmgw.store import StoreError
 
@@ -139,6 +139,19 @@ class Access:
         return cls(enabled=section.enabled, allow_loopback=section.allow_loopback,
                    token=(read_secret_file(section.token_file, "metrics token")
                           if section.token_file else None))
+
+    def refusal(self, request: Request, admin_token: str | None, path: str
+                ) -> ApiError | None:
+        """Why ``request`` may not read ``path`` (/metrics, or what serves scrapers as it
+        does), or None when it may."""
+        if not self.enabled:
+            return ApiError(404, f"there is no GET {path} here (metrics.enabled is false)")
+        if not self.allows(request, admin_token):
+            return ApiError(401, "send the metrics token as `Authorization: Bearer …` "
+                            "(metrics.token_file), or scrape from the server's own host",
+                            code="metrics_token_required",
+                            headers={"www-authenticate": "Bearer"})
+        return None
 
     def allows(self, request: Request, admin_token: str | None) -> bool:
         token = bearer(request.headers.get("authorization"))
@@ -449,14 +462,9 @@ async def metrics_endpoint(request: Request, metrics: NamedDependency[Metrics],
                            admin_token: NamedDependency[str]) -> Response:
     """Prometheus' text format, for whom :class:`Access` lets in. Async on purpose: the
     collectors read the router and controller, which only the event loop may touch."""
-    if not metrics.access.enabled:
-        return error_response(404, "there is no GET /metrics here (metrics.enabled is "
-                              "false)")
-    if not metrics.access.allows(request, admin_token):
-        return error_response(401, "send the metrics token as `Authorization: Bearer …` "
-                              "(metrics.token_file), or scrape from the server's own host",
-                              code="metrics_token_required",
-                              headers={"www-authenticate": "Bearer"})
+    refusal = metrics.access.refusal(request, admin_token, "/metrics")
+    if refusal is not None:
+        return refusal.response()
     await metrics.name_owners()
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 

@@ -60,13 +60,9 @@ async def metrics_targets(request: Request, metrics: NamedDependency[Metrics],
     registered address with ``port``, labels ``node`` and ``fabric``. Open to whom
     ``/metrics`` is: a request from the server's own host, or one with the metrics or
     admin token."""
-    if not metrics.access.enabled:
-        raise ApiError(404, "there is no GET /api/metrics/targets here (metrics.enabled is "
-                       "false)")
-    if not metrics.access.allows(request, admin_token):
-        raise ApiError(401, "send the metrics token as `Authorization: Bearer …` "
-                       "(metrics.token_file), or ask from the server's own host",
-                       code="metrics_token_required", headers={"www-authenticate": "Bearer"})
+    refusal = metrics.access.refusal(request, admin_token, "/api/metrics/targets")
+    if refusal is not None:
+        raise refusal
     if not 1 <= port <= 65535:
         raise ApiError(400, f"port must be a TCP port, 1 to 65535, not {port}", param="port",
                        code="invalid_value")
