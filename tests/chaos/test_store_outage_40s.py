@@ -1,11 +1,12 @@
 """The store (the real PostgreSQL) does not answer for 40 s, five times the time after which
 a silent node is lost, four times the leader's lease, while chat requests flow: no node is
 taken for unreachable or lost, the known routes serve every request, what needs the store
-is a 503 saying so, and the server leads again once the store answers.
+is a 503 saying so, and the server answers and leads again once the store answers, without
+a restart. Then the store comes back empty: a refusal saying its tables are gone.
 
-The outage is made as tests/integration/test_store_outage.py makes it: the database is
-closed to new connections and its sessions are ended. Two agents with a sim engine each
-(two replicas of one model); the requests use a key read before the outage."""
+The database is closed to new connections and its sessions are ended, later dropped and
+made again. Two agents with a sim engine each (two replicas of one model); the requests
+use a key read before the outage, which goes on working past its cache time (2 s)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import time
 
 import httpx
 
+from llmgw.server.auth.keys import key_id, new_api_key
 from tests.chaos.measure import figure, timed_lines
 from tests.integration.cluster import wait_for
 from tests.integration.load import ChatLoad
-from tests.pg import close_database, open_database
+from tests.pg import as_admin, close_database, open_database, run_blocking
 
 OUTAGE_S = 40
 LEASE_S = 10  # controller.lease_s, its default: the leader pauses about this long in
@@ -43,6 +45,8 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
     load.start()
     states: set[str] = set()
     refusals: list[httpx.Response] = []
+    healths: set[tuple[str, str]] = set()
+    unseen_key: httpx.Response | None = None
     not_leading_at = None
     try:
         wait_for(lambda: load.answered_after(0) >= 3, 15, "requests to be answered")
@@ -53,7 +57,14 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
             states |= {n["state"] for n in c.status()["nodes"]}
             if len(refusals) < 20:
                 refusals.append(c.admin("GET", "/api/keys"))  # keys are read from the store
+            if unseen_key is None:
+                # A key the server never saw needs the store: 503, not 401 nor 500.
+                unseen_key = httpx.post(
+                    f"{c.base_url}/v1/chat/completions", timeout=20,
+                    headers={"authorization": f"Bearer {new_api_key()}"},
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             health = httpx.get(f"{c.base_url}/healthz", timeout=5).json()
+            healths.add((health["status"], health["store"]))
             if not_leading_at is None and not health["leader"]:
                 not_leading_at = time.monotonic()
             time.sleep(0.5)
@@ -87,13 +98,17 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
     text = log.read_text()
     assert "-> unreachable" not in text and "-> lost" not in text
     assert [r["state"] for r in c.replicas(MODEL)] == ["ready", "ready"]
-    # What needs the store said why, and when to try again.
+    # What needs the store said why, and when to try again; the store's address is the
+    # operator's, in the log, not the client's.
     assert refusals and all(r.status_code == 503 for r in refusals), \
         [(r.status_code, r.text) for r in refusals]
     for r in refusals:
         assert r.headers["retry-after"] == "5"
         assert r.json()["error"]["code"] == "store_unavailable"
         assert "store is not answering" in r.json()["error"]["message"]
+        assert name not in r.text
+    assert unseen_key is not None and unseen_key.status_code == 503, unseen_key.text
+    assert healths == {("degraded", "unreachable")}, healths
     # Logged once, without a traceback; the lease ran out and was taken up again.
     assert text.count("does not answer") == 1, text[-3000:]
     assert "Traceback" not in text
@@ -101,6 +116,27 @@ def test_a_40_s_store_outage_loses_no_node_and_fails_no_known_route(
     assert not_leading_at - closed_at <= LEASE_S + 3
     assert len(timed_lines(log, "not sure this server still leads")) == 1
     assert len(timed_lines(log, "leading again, term")) == 1
+    # It answers again without a restart: the same process, the outage's end logged.
+    assert c.server.poll() is None
+    c.server_log_line("answers again, after")
     health = httpx.get(f"{c.base_url}/healthz", timeout=5).json()
     assert (health["status"], health["store"], health["leader"]) == ("ok", "ok", True)
     assert c.admin("GET", "/api/keys").status_code == 200
+
+    # The usage counted during the outage was kept, and written once the store answered:
+    # every request of the load, each answered (no failures, above).
+    def recorded() -> int:
+        usage = c.admin("GET", f"/api/keys/{key_id(key)}/usage")
+        return sum(d["requests"] for d in usage.json()["days"]) if usage.is_success else 0
+
+    wait_for(lambda: recorded() == len(load.done), 10,
+             f"the {len(load.done)} requests to be recorded")
+
+    # Dropped and made again, empty: a refusal saying the tables are gone, not a 500.
+    run_blocking(as_admin(f'DROP DATABASE "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"'))
+    empty = c.admin("GET", "/api/keys")
+    assert empty.status_code == 503, empty.text
+    assert empty.json()["error"]["code"] == "store_schema_missing"
+    c.server_log_line("has no llmgw tables", "llmgw store restore")
+    assert httpx.get(f"{c.base_url}/healthz", timeout=5).json()["store"] == "schema missing"
+    assert "Traceback" not in log.read_text()

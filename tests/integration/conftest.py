@@ -71,13 +71,18 @@ def make_cluster(tmp_path, request):
 @contextlib.contextmanager
 def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[dict],
                      overrides: dict | None = None, http_server: str = "uvicorn",
-                     ca: ClusterCa | None = None) -> Iterator[Cluster]:
+                     ca: ClusterCa | None = None, ready: dict[str, int] | None = None,
+                     agent_overrides: dict | None = None,
+                     with_node: bool = True) -> Iterator[Cluster]:
     """A server (on ``http_server``) and one agent (node-a) with ``models`` ready, for a
     module's tests: stopped afterwards, its processes' logs printed when it would not start
     or a test failed. With ``ca``, the server has a tls block (the API over https, trusted
-    by this process meanwhile) and node-a a certificate for the mTLS listener."""
+    by this process meanwhile) and node-a a certificate for the mTLS listener. ``ready``:
+    how many ready replicas of which models to wait for (default: one of each);
+    ``agent_overrides``: agent.yaml settings of node-a. Without ``with_node``, the server
+    alone, for tests whose requests no engine answers."""
     overrides = dict(overrides or {})
-    agent: dict = {}
+    agent: dict = dict(agent_overrides or {})
     with pytest.MonkeyPatch.context() as patch:
         if ca is not None:
             agent_port = free_port()
@@ -89,11 +94,12 @@ def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[di
         failed_before = request.session.testsfailed
         try:
             c.start_server()
-            if ca is not None:
-                agent["tls"] = ca.node_tls("node-a", c.server_state / "llmgw.db")
-            c.add_agent("node-a", **agent)
-            for model in models:
-                c.wait_ready(model["name"])
+            if with_node:
+                if ca is not None:
+                    agent["tls"] = ca.node_tls("node-a", c.server_state / "llmgw.db")
+                c.add_agent("node-a", **agent)
+                for name, count in (ready or {m["name"]: 1 for m in models}).items():
+                    c.wait_ready(name, count, timeout_s=90)
         except BaseException:
             print(c.logs())
             c.stop()

@@ -14,20 +14,41 @@ import openai
 import pytest
 
 from tests.integration.cluster import wait_for
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
 
 PASSWORDS = {"alice": "alice's long secret", "bob": "bob's own long secret"}
 # OWASP's minimum argon2id: the cheapest the server accepts, to keep floods quick.
 FAST_AUTH = {"argon2_memory_kib": 19 * 1024, "argon2_time_cost": 2,
              "argon2_parallelism": 1, "hash_slots": 2}
+# Room in the throttle for the flood test's 200 concurrent addresses and its attacker, and
+# a few dozen more: the flood's made-up addresses fill it after few hashes.
+AUTH = {**FAST_AUTH, "login_attempts": 5, "login_throttle_capacity": 250}
 
 
 @pytest.fixture
-def cluster(make_cluster):
-    c = make_cluster(auth={**FAST_AUTH, "login_attempts": 5, "login_throttle_capacity": 400})
+def server(make_cluster):
+    """The server alone, for the tests whose requests no engine answers: accounts, keys and
+    sessions are the server's."""
+    c = make_cluster(auth=AUTH)
     c.start_server()
-    c.add_agent("node-a")
-    c.wait_ready("sim-small")
     return c
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, request):
+    """The server alone, shared by the tests that change nothing another test reads (no
+    setting, no throttle, no account but alice's and bob's, made once)."""
+    with one_node_cluster(tmp_path_factory.mktemp("accounts"), request, [SIM_SMALL],
+                          {"auth": AUTH}, with_node=False) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(server):
+    """The server with a node serving sim-small, for the tests that chat."""
+    server.add_agent("node-a")
+    server.wait_ready("sim-small")
+    return server
 
 
 def ctl(cluster, *args: str, token: str | None = None, stdin: str | None = None,
@@ -109,11 +130,11 @@ def test_two_users_keep_their_keys_to_themselves(cluster, tmp_path):
     assert denied.returncode == 1 and "admin" in denied.stderr
 
 
-def test_an_expired_key_is_refused_on_the_next_request(cluster):
-    key = api(cluster, "POST", "/api/keys", cluster.admin_token,
+def test_an_expired_key_is_refused_on_the_next_request(shared):
+    key = api(shared, "POST", "/api/keys", shared.admin_token,
               json={"name": "brief", "expires_in_days": 2 / 86400}).json()["key"]
     body = {"model": "sim-small", "messages": [{"role": "user", "content": "x"}]}
-    url = f"{cluster.base_url}/v1/chat/completions"
+    url = f"{shared.base_url}/v1/chat/completions"
 
     def refused():
         resp = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"})
@@ -123,14 +144,14 @@ def test_an_expired_key_is_refused_on_the_next_request(cluster):
     assert "expired" in error["message"] and error["type"] == "authentication_error"
 
 
-def test_nobody_can_make_themselves_admin(cluster):
-    add_users(cluster)
-    api(cluster, "PUT", "/api/settings", cluster.admin_token, json={"signup": "open"})
+def test_nobody_can_make_themselves_admin(server):
+    add_users(server)
+    api(server, "PUT", "/api/settings", server.admin_token, json={"signup": "open"})
     attempts = [
         ("POST", "/api/auth/signup", None,
          {"username": "mallory", "password": "mallory's password", "role": "admin"}),
     ]
-    bob = login(cluster, "bob")
+    bob = login(server, "bob")
     attempts += [
         ("PATCH", "/api/users/bob", bob, {"role": "admin"}),
         ("POST", "/api/keys", bob, {"name": "k", "account_id": 1}),
@@ -140,32 +161,32 @@ def test_nobody_can_make_themselves_admin(cluster):
                                      "role": "admin"}),
     ]
     for method, path, token, payload in attempts:
-        resp = api(cluster, method, path, token, json=payload)
+        resp = api(server, method, path, token, json=payload)
         assert resp.status_code in (400, 403), (path, resp.status_code, resp.text)
         assert resp.json()["error"]["message"]
     roles = {u["username"]: u["role"]
-             for u in api(cluster, "GET", "/api/users", cluster.admin_token).json()}
+             for u in api(server, "GET", "/api/users", server.admin_token).json()}
     assert roles == {"alice": "user", "bob": "user"}
-    assert api(cluster, "GET", "/api/me", bob).json()["role"] == "user"
+    assert api(server, "GET", "/api/me", bob).json()["role"] == "user"
 
 
-def test_signup_modes_and_the_session_cookie(cluster):
+def test_signup_modes_and_the_session_cookie(server):
     form = {"username": "carol", "password": "carol's long secret"}
-    closed = api(cluster, "POST", "/api/auth/signup", json=form)
+    closed = api(server, "POST", "/api/auth/signup", json=form)
     assert closed.status_code == 403 and "closed" in closed.json()["error"]["message"]
 
-    api(cluster, "PUT", "/api/settings", cluster.admin_token, json={"signup": "invite"})
-    assert api(cluster, "POST", "/api/auth/signup", json=form).status_code == 403
-    invite = api(cluster, "POST", "/api/invites", cluster.admin_token, json={}).json()["invite"]
-    joined = api(cluster, "POST", "/api/auth/signup", json={**form, "invite": invite})
+    api(server, "PUT", "/api/settings", server.admin_token, json={"signup": "invite"})
+    assert api(server, "POST", "/api/auth/signup", json=form).status_code == 403
+    invite = api(server, "POST", "/api/invites", server.admin_token, json={}).json()["invite"]
+    joined = api(server, "POST", "/api/auth/signup", json={**form, "invite": invite})
     assert joined.status_code == 201, joined.text
     cookie = joined.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
-    again = api(cluster, "POST", "/api/auth/signup",
+    again = api(server, "POST", "/api/auth/signup",
                 json={"username": "dave", "password": "dave's long secret", "invite": invite})
     assert again.status_code == 403, "an invite is single-use"
 
-    with httpx.Client(base_url=cluster.base_url) as browser:
+    with httpx.Client(base_url=server.base_url) as browser:
         # A form on another site must not log the browser in as someone (login CSRF).
         as_form = browser.post("/api/auth/login", content=json.dumps(form).encode(),
                                headers={"content-type": "text/plain"})
@@ -200,9 +221,9 @@ async def _post_from(address: str, port: int, path: str, payload: dict) -> int:
     return status
 
 
-def test_login_floods_stay_bounded(cluster):
-    add_users(cluster)
-    port = cluster.port
+def test_login_floods_stay_bounded(server):
+    add_users(server)
+    port = server.port
     wrong = {"username": "alice", "password": "not her password"}
 
     async def concurrent_wrong_logins() -> list[int]:
@@ -212,7 +233,7 @@ def test_login_floods_stay_bounded(cluster):
             for i in range(200)))
 
     assert set(asyncio.run(concurrent_wrong_logins())) == {401}
-    logins = cluster.status()["logins"]
+    logins = server.status()["logins"]
     assert logins["peak"] <= logins["slots"] == 2
 
     async def flood() -> tuple[list[int], list[int], int]:
@@ -231,17 +252,17 @@ def test_login_floods_stay_bounded(cluster):
     assert first == [401] * 5 + [429]
     assert set(made_up) == {401, 429} and made_up.count(429) > 500
     assert last == 429, "the flood did not reset the attacker's count, right password or not"
-    logins = cluster.status()["logins"]
-    assert logins["tracked_addresses"] <= logins["throttle_capacity"] == 400
+    logins = server.status()["logins"]
+    assert logins["tracked_addresses"] <= logins["throttle_capacity"] == 250
 
 
-def test_the_store_holds_no_plaintext_secret(cluster):
-    add_users(cluster)
-    token = login(cluster, "alice")
-    key = api(cluster, "POST", "/api/keys", token, json={"name": "k"}).json()["key"]
-    dump = "\n".join(sqlite3.connect(cluster.server_state / "llmgw.db").iterdump())
+def test_the_store_holds_no_plaintext_secret(shared):
+    add_users(shared)
+    token = login(shared, "alice")
+    key = api(shared, "POST", "/api/keys", token, json={"name": "k"}).json()["key"]
+    dump = "\n".join(sqlite3.connect(shared.server_state / "llmgw.db").iterdump())
     assert "alice" in dump, "the dump is of the right database"
-    for secret in (*PASSWORDS.values(), key, token, cluster.api_key):
+    for secret in (*PASSWORDS.values(), key, token, shared.api_key):
         assert secret not in dump
 
 
@@ -260,11 +281,11 @@ def test_disabling_an_account_stops_its_keys_and_sessions(cluster):
     assert api(cluster, "GET", "/api/me", token).status_code == 401
 
 
-def test_bodies_are_read_strictly_and_refused_in_llmgws_words(cluster):
-    admin = cluster.admin_token
+def test_bodies_are_read_strictly_and_refused_in_llmgws_words(shared):
+    admin = shared.admin_token
 
     def refusal(method: str, path: str, **kw) -> tuple[int, dict]:
-        resp = api(cluster, method, path, admin, **kw)
+        resp = api(shared, method, path, admin, **kw)
         return resp.status_code, resp.json().get("error", {})
 
     # No body where one is needed: the field it lacks, named.
@@ -272,7 +293,7 @@ def test_bodies_are_read_strictly_and_refused_in_llmgws_words(cluster):
     assert (status, error["code"]) == (400, "invalid_value")
     assert error["message"] == "invalid request: Object missing required field username"
     # One where every field has a default: taken as {}.
-    assert api(cluster, "POST", "/api/invites", admin).status_code == 201
+    assert api(shared, "POST", "/api/invites", admin).status_code == 201
     # A field the request does not take, and a number written as text: refused.
     status, error = refusal("POST", "/api/keys", json={"name": "k", "role": "admin"})
     assert (status, error["message"]) == (400, "`role` cannot be set here")
@@ -281,7 +302,7 @@ def test_bodies_are_read_strictly_and_refused_in_llmgws_words(cluster):
     status, error = refusal("POST", "/api/keys", json={"name": "k", "limits": {"rpm": 1.5}})
     assert (status, error["param"]) == (400, "limits.rpm"), error
     # A whole number written 60.0 is the 60 JSON takes it for.
-    made = api(cluster, "POST", "/api/keys", admin, json={"name": "k", "limits": {"rpm": 60.0}})
+    made = api(shared, "POST", "/api/keys", admin, json={"name": "k", "limits": {"rpm": 60.0}})
     assert made.status_code == 201 and made.json()["limits"]["rpm"] == 60, made.text
     # The document of it all is public.
-    assert httpx.get(f"{cluster.base_url}/openapi.json").json()["paths"]["/api/keys"]
+    assert httpx.get(f"{shared.base_url}/openapi.json").json()["paths"]["/api/keys"]

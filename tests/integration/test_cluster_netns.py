@@ -13,8 +13,8 @@ agents come first, so sim-a is placed there; then fab-b's, and sim-b takes it. K
 sim-a's worker node leaves fab-a with one node: the only fabric that can hold a new 2-node
 replica of sim-a is fab-b, beside sim-b (sim shards need no GPUs).
 
-The Cluster's server runs with a heartbeat every 0.5 s, unreachable after 3 s and lost
-after 8 s, a controller pass every 0.5 s; every wait polls against a deadline.
+The Cluster's server runs with a heartbeat every 0.5 s, unreachable after 3 s and (here)
+lost after 5 s, a controller pass every 0.5 s; every wait polls against a deadline.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import pytest
 from tests.integration.cluster import Cluster, process_alive, wait_for
 from tests.integration.netns import Lab, Node, lab_for_test
 
-LOST_AFTER_S = 8
+LOST_AFTER_S = 5
+# Still well past unreachable_after_s: a busy node that misses heartbeats for a moment is
+# unreachable, never lost.
+NODES = {"heartbeat_interval_s": 0.5, "unreachable_after_s": 3, "lost_after_s": LOST_AFTER_S}
 SLACK_S = 17  # controller passes, a crash-loop backoff, two sim engines and a rendezvous
 MOVE_DEADLINE_S = LOST_AFTER_S + SLACK_S
 
@@ -55,7 +58,7 @@ def lab():
 @pytest.fixture
 def cluster(lab: Lab, make_cluster) -> Cluster:
     """Asked for after ``lab``, so its processes are stopped before the network goes."""
-    made = make_cluster([SIM_A, SIM_B])
+    made = make_cluster([SIM_A, SIM_B], nodes=NODES)
     made.listen_host = lab.server_address
     return made
 

@@ -5,12 +5,14 @@ Traffic goes through the official `openai` client."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from tests.integration.cluster import Cluster, wait_for
+from tests.integration.conftest import one_node_cluster
 
 # Slow enough that a stream stays open while other requests go by; a one-token answer
 # still takes only 50 ms.
@@ -31,13 +33,19 @@ USERS = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "iv
 SYSTEM = "You answer questions about the cluster. " * 16
 
 
-def _pair(make_cluster, affinity: bool) -> tuple[Cluster, dict[str, int]]:
-    """A cluster serving sim-pair from two replicas on one node; each replica's engine port."""
-    cluster = make_cluster(models=[PAIR], gateway={"affinity": affinity})
-    cluster.start_server()
-    cluster.add_agent("node-a")
-    ready = cluster.wait_ready("sim-pair", 2, timeout_s=60)
-    return cluster, {r["id"]: r["shards"][0]["port"] for r in ready}
+def _ports(ready: list[dict]) -> dict[str, int]:
+    """Each replica's engine port."""
+    return {r["id"]: r["shards"][0]["port"] for r in ready}
+
+
+@pytest.fixture(scope="module")
+def affine(tmp_path_factory, request) -> Iterator[tuple[Cluster, dict[str, int]]]:
+    """sim-pair from two replicas on one node, with affinity (the default), beside sim-huge,
+    which no node can take; shared by the tests that only send requests, each of which
+    leaves both engines idle. The cluster, and each sim-pair replica's engine port."""
+    with one_node_cluster(tmp_path_factory.mktemp("affinity"), request, [PAIR, HUGE],
+                          {"gateway": {"affinity": True}}, ready={"sim-pair": 2}) as c:
+        yield c, _ports(c.ready_replicas("sim-pair"))
 
 
 def _client(cluster: Cluster) -> openai.OpenAI:
@@ -71,8 +79,8 @@ def _busy_replica(engines: dict[str, int]) -> str:
     return wait_for(one_busy, 10, "one engine to hold the open stream")
 
 
-def test_one_user_keeps_to_one_replica_while_many_users_use_both(make_cluster):
-    cluster, engines = _pair(make_cluster, affinity=True)
+def test_one_user_keeps_to_one_replica_while_many_users_use_both(affine):
+    cluster, engines = affine
     client = _client(cluster)
 
     alice = [_served_by(client, engines, user="alice") for _ in range(12)]
@@ -84,8 +92,8 @@ def test_one_user_keeps_to_one_replica_while_many_users_use_both(make_cluster):
     assert many[USERS.index("alice")] == alice[0]
 
 
-def test_one_conversation_start_keeps_to_one_replica_without_a_user(make_cluster):
-    cluster, engines = _pair(make_cluster, affinity=True)
+def test_one_conversation_start_keeps_to_one_replica_without_a_user(affine):
+    cluster, engines = affine
     client = _client(cluster)
     # No `user`: the key is the conversation's first 512 bytes, here the shared system
     # prompt; the later turns differ. Chosen at random, twelve in a row on one replica
@@ -111,11 +119,13 @@ def _while_one_stream_is_open(cluster: Cluster, engines: dict[str, int]
         served = [_served_by(client, engines, user="alice") for _ in range(6)]
         # Still open: the six were chosen with the stream counted.
         assert _stats(engines[busy])["in_flight"] == 1
+    wait_for(lambda: all(_stats(port)["in_flight"] == 0 for port in engines.values()), 10,
+             "both engines to be idle once the stream is closed")
     return busy, served
 
 
-def test_with_affinity_the_same_user_stays_on_its_replica_though_it_is_busier(make_cluster):
-    cluster, engines = _pair(make_cluster, affinity=True)
+def test_with_affinity_the_same_user_stays_on_its_replica_though_it_is_busier(affine):
+    cluster, engines = affine
     busy, served = _while_one_stream_is_open(cluster, engines)
     # Alice's replica holds 1 request, under the bound ceil(1.25 * 2 / 2) = 2: it keeps
     # her, though the other replica is idle.
@@ -123,7 +133,10 @@ def test_with_affinity_the_same_user_stays_on_its_replica_though_it_is_busier(ma
 
 
 def test_without_affinity_the_same_user_goes_to_the_less_busy_replica(make_cluster):
-    cluster, engines = _pair(make_cluster, affinity=False)
+    cluster = make_cluster(models=[PAIR], gateway={"affinity": False})
+    cluster.start_server()
+    cluster.add_agent("node-a")
+    engines = _ports(cluster.wait_ready("sim-pair", 2, timeout_s=60))
     busy, served = _while_one_stream_is_open(cluster, engines)
     # With two replicas the power of two choices draws both, and the one with fewer
     # requests outstanding wins every time: the idle one, whoever the user is.
@@ -131,13 +144,11 @@ def test_without_affinity_the_same_user_goes_to_the_less_busy_replica(make_clust
     assert served == [idle] * 6, (busy, served)
 
 
-def test_a_model_no_node_can_take_answers_503_with_placements_reason(make_cluster):
-    cluster = make_cluster(models=[HUGE])
-    cluster.start_server()
-    cluster.add_agent("node-a")
+def test_a_model_no_node_can_take_answers_503_with_placements_reason(affine):
+    cluster, _ = affine
 
     def unplaced() -> str | None:
-        [model] = cluster.status()["models"]
+        [model] = [m for m in cluster.status()["models"] if m["name"] == "sim-huge"]
         # "no nodes have registered" until node-a has; then node-a's refusal.
         return model["unplaced"] if (model["unplaced"] or "").startswith("node-a:") else None
 

@@ -10,20 +10,21 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.conftest import one_node_cluster
+
 SIM_A = {"name": "sim-a", "profiles": [{"engine": "sim"}], "replicas": 1}
 SIM_B = {"name": "sim-b", "profiles": [{"engine": "sim"}], "replicas": 1}
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def cluster(make_cluster):
-    c = make_cluster(models=[SIM_A, SIM_B])
-    c.start_server()
-    c.add_agent("node-a")
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request):
+    """One cluster for the module: each test makes the keys it needs and counts the
+    engines' requests from where it found them."""
     # Both ready: a refusal of sim-b is then about the key, never about a missing replica.
-    c.wait_ready("sim-a")
-    c.wait_ready("sim-b")
-    return c
+    with one_node_cluster(tmp_path_factory.mktemp("key-models"), request,
+                          [SIM_A, SIM_B]) as c:
+        yield c
 
 
 def _client(c, key: str | None = None) -> openai.OpenAI:

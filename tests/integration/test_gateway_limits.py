@@ -8,8 +8,10 @@ import concurrent.futures
 import time
 
 import httpx
+import pytest
 
 from tests.integration.cluster import wait_for
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
 
 
 def _key(c, **limits) -> str:
@@ -35,11 +37,15 @@ def _one_minute_ahead() -> None:
         time.sleep(60.2 - into_minute)
 
 
-def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(make_cluster):
-    c = make_cluster()
-    c.start_server()
-    c.add_agent("node-a")
-    c.wait_ready("sim-small")
+@pytest.fixture(scope="module")
+def one_server(tmp_path_factory, request):
+    """One server and node for the tests of one server's limits: each has its own key."""
+    with one_node_cluster(tmp_path_factory.mktemp("limits"), request, [SIM_SMALL]) as c:
+        yield c
+
+
+def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(one_server):
+    c = one_server
     key = _key(c, rpm=3)
 
     _one_minute_ahead()
@@ -68,15 +74,12 @@ def test_a_key_over_its_requests_per_minute_gets_429_and_its_usage_is_recorded(m
     assert model["completion_tokens"] == 12 and model["prompt_tokens"] > 0
 
 
-def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(make_cluster):
+def test_a_stream_without_usage_counts_what_it_sent_against_a_token_limit(one_server):
     """The sim, like vLLM, reports a stream's usage only when asked. Not asked, the stream
     counts one completion token per event it sent, so what it generated counts against the
     key's token limits (its prompt does not: llmgw has no tokenizer). A daily limit: a
     minute's could roll over between the stream and the request it must refuse."""
-    c = make_cluster()
-    c.start_server()
-    c.add_agent("node-a")
-    c.wait_ready("sim-small")
+    c = one_server
     key = _key(c, tokens_per_day=5)
     body = {"model": "sim-small", "max_tokens": 4, "stream": True,
             "messages": [{"role": "user", "content": "count me"}]}

@@ -17,17 +17,19 @@ import pytest
 from llmgw.server.auth import hash_key, key_id
 from llmgw.server.auth.keys import _checksum, new_api_key
 from llmgw.store import ApiKeyRecord, open_store, sqlite_url
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
 
 KEY_CACHE_S = 1.0
 CHAT = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture
-def server(make_cluster):
-    # No agent: every request here is answered (or refused) by the gateway itself.
-    c = make_cluster(auth={"key_cache_s": KEY_CACHE_S})
-    c.start_server()
-    return c
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, request):
+    """One server for the module, each test with keys of its own. No agent: every request
+    here is answered (or refused) by the gateway itself."""
+    with one_node_cluster(tmp_path_factory.mktemp("key-cache"), request, [SIM_SMALL],
+                          {"auth": {"key_cache_s": KEY_CACHE_S}}, with_node=False) as c:
+        yield c
 
 
 def _answer(client: httpx.Client, method: str, path: str, key: str) -> tuple:

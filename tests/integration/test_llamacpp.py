@@ -9,12 +9,15 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.conftest import one_node_cluster
+
 CHAT = "smollm2"
 EMBED = "smollm2-embed"
 
 
-@pytest.fixture
-def cluster(make_cluster, llama_cpp):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request, llama_cpp):
+    """One cluster for the module's tests, which only send it requests."""
     server, weights = llama_cpp
     # One thread each: two threads collapse when the machine is busy with the rest.
     chat = {"name": CHAT, "replicas": 2, "profiles": [
@@ -24,12 +27,10 @@ def cluster(make_cluster, llama_cpp):
         {"engine": "llama.cpp", "weights": weights, "embeddings": True,
          "startup_timeout_s": 120,
          "args": ["--threads", "1", "--ctx-size", "2048", "--pooling", "mean"]}]}
-    c = make_cluster(models=[chat, embed])
-    c.start_server()
-    c.add_agent("node-a", engines={"llama.cpp": {"binary": server}})
-    c.wait_ready(CHAT, count=2, timeout_s=90)
-    c.wait_ready(EMBED, timeout_s=90)
-    return c
+    with one_node_cluster(tmp_path_factory.mktemp("llamacpp"), request, [chat, embed],
+                          ready={CHAT: 2, EMBED: 1},
+                          agent_overrides={"engines": {"llama.cpp": {"binary": server}}}) as c:
+        yield c
 
 
 def _client(cluster) -> openai.OpenAI:

@@ -72,24 +72,39 @@ def test_weights_copied_in_by_hand_are_seen_shown_per_fabric_and_preferred(make_
     assert again["shards"][0]["node"] == "node-b"
 
 
-def test_a_shared_filer_counts_once_for_its_fabric(make_cluster, tmp_path):
-    filer = tmp_path / "filer"
+def test_a_shared_filer_counts_once_for_its_fabric_and_each_directory_reports_its_space(
+        make_cluster, tmp_path):
+    filer = tmp_path / "filer"  # a mounted filer; the agent creates only local directories
     c = make_cluster(models=[{"name": HELD, "replicas": 0, "profiles": [{"engine": "sim"}]}])
     c.start_server()
     weights = filer / "sim-held"
     weights.mkdir(parents=True)
     (weights / "model.bin").write_bytes(b"w" * 2048)
     assert _llmgw("weights", "manifest", str(weights), "--key", HELD).returncode == 0
+    local = {node: tmp_path / f"local-{node}" for node in ("node-a", "node-b")}
     for node in ("node-a", "node-b"):
         c.add_agent(node, fabric="ib-a", weights={"directories": [
-            {"path": str(c.root / f"agent-{node}" / "weights")},
-            {"path": str(filer), "shared": True}]})
+            {"path": str(local[node])}, {"path": str(filer), "shared": True}]})
     wait_for(lambda: len(c.status()["nodes"]) == 2, 15, "two nodes")
 
     assert _weights_of(c, HELD) == [{"fabric": "ib-a", "nodes": [], "shared": [str(filer)]}]
     ctl = _llmgw("ctl", "status", "--server", c.base_url, "--token", c.admin_token)
     assert ctl.returncode == 0, ctl.stderr
     assert f"ib-a: shared {filer}" in ctl.stdout
+
+    # Each node reports each of its directories, with its disk's space.
+    listed = _llmgw("ctl", "nodes", "list", "--json", "--server", c.base_url,
+                    "--token", c.admin_token)
+    assert listed.returncode == 0, listed.stderr
+    nodes = {n["id"]: n for n in json.loads(listed.stdout)}
+    assert sorted(nodes) == ["node-a", "node-b"]
+    for node_id, node in nodes.items():
+        dirs = node["weights_dirs"]
+        assert [(d["path"], d["shared"]) for d in dirs] == [(str(local[node_id]), False),
+                                                            (str(filer), True)]
+        # Created at start, so the first heartbeat already reports their disk.
+        assert local[node_id].is_dir()
+        assert all(d["free_mib"] > 0 and d["total_mib"] > 0 for d in dirs), dirs
 
 
 @pytest.fixture
@@ -150,26 +165,6 @@ def test_a_fetch_that_fails_fails_the_shard_with_the_reason(make_cluster):
         line = c.server_log_line("-> failed", "model.bin")
         assert "sha256 mismatch" in line and "fetching sim-fetched" in line
         assert not any(p.name.startswith(".partial-") for p in (c.root / "w").iterdir())
-
-
-def test_nodes_report_each_weights_directory_with_its_free_space(make_cluster, tmp_path):
-    c = make_cluster(models=[{"name": HELD, "replicas": 0, "profiles": [{"engine": "sim"}]}])
-    c.start_server()
-    local = tmp_path / "local-weights"
-    (tmp_path / "filer").mkdir()  # a mounted filer; the agent creates only local ones
-    c.add_agent("node-a", weights={"directories": [{"path": str(local)},
-                                                   {"path": str(tmp_path / "filer"),
-                                                    "shared": True}]})
-    wait_for(lambda: c.node_state("node-a") == "ready", 15, "node-a")
-    listed = _llmgw("ctl", "nodes", "list", "--json", "--server", c.base_url,
-                    "--token", c.admin_token)
-    assert listed.returncode == 0, listed.stderr
-    [node] = json.loads(listed.stdout)
-    dirs = node["weights_dirs"]
-    assert [(d["path"], d["shared"]) for d in dirs] == [(str(local), False),
-                                                        (str(tmp_path / "filer"), True)]
-    # Created at start, so the first heartbeat already reports their disk.
-    assert local.is_dir() and all(d["free_mib"] > 0 and d["total_mib"] > 0 for d in dirs)
 
 
 def test_a_fetch_survives_a_control_plane_restart_and_is_not_started_twice(make_cluster):

@@ -53,10 +53,13 @@ def test_an_engine_that_stays_unhealthy_is_failed_and_replaced(make_cluster):
     try:
         line = c.server_log_line("health check failed for 2 s", timeout_s=20)
         assert replica["id"] in line
-        wait_for(lambda: not process_alive(record["pid"], record["started_at"]), 20,
-                 "the frozen engine to be stopped")
     finally:
+        # Failed, it is the agent's to stop: thawed, it takes the SIGTERM it is sent (the
+        # SIGKILL after 10 s, for an engine that ignores SIGTERM, is the runtime contract's
+        # test). Were it not stopped, it would run on, answering, and the wait below fail.
         if process_alive(record["pid"], record["started_at"]):
             os.kill(record["pid"], signal.SIGCONT)
+    wait_for(lambda: not process_alive(record["pid"], record["started_at"]), 20,
+             "the failed engine to be stopped")
     [again] = c.wait_ready("sim-small", timeout_s=30)
     assert again["id"] != replica["id"]

@@ -14,15 +14,15 @@ import pytest
 
 from llmgw import wire
 from tests.integration.cluster import wait_for
+from tests.integration.conftest import SIM_SMALL, one_node_cluster
 
 
-@pytest.fixture
-def cluster(make_cluster):
-    c = make_cluster()
-    c.start_server()
-    c.add_agent("node-a")
-    c.wait_ready("sim-small")
-    return c
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request):
+    """One cluster for the module. The tests that kill part of it come last, each reading
+    what runs at its start and leaving the cluster serving again, as it asserts."""
+    with one_node_cluster(tmp_path_factory.mktemp("skeleton"), request, [SIM_SMALL]) as c:
+        yield c
 
 
 def client(cluster) -> openai.OpenAI:
