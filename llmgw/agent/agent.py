@@ -349,8 +349,10 @@ class Agent:
             finally:
                 for task in tasks:
                     task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                        await task
+                # gather, not suppress(CancelledError) around each await: that swallowed
+                # this task's own cancellation too (SIGTERM arriving as the stream closed),
+                # and the agent reconnected instead of stopping.
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _renew_loop(self, tls: AgentTls) -> None:
         """Ask for a new certificate, on this stream, once less than a third of the
