@@ -226,12 +226,14 @@ class Hub:
 
 
 @contextlib.contextmanager
-def hub_in_thread(repos: dict[str, dict[str, bytes]], **options):
-    """The test hub on its own event loop, for tests that drive real processes."""
+def hub_in_thread(repos: dict[str, dict[str, bytes]], hub_class: type[Hub] | None = None,
+                  **options):
+    """The test hub (or ``hub_class``, a subclass) on its own event loop, for tests that
+    drive real processes."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    hub = Hub(repos, **options)
+    hub = (hub_class or Hub)(repos, **options)
     asyncio.run_coroutine_threadsafe(hub.__aenter__(), loop).result(10)
     try:
         yield hub

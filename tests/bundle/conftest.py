@@ -26,7 +26,7 @@ from aiohttp import web
 
 from llmgw.bundle import create, mirror, signing
 from llmgw.core.builds import NodeFacts, candidate_builds
-from tests.hub import Hub
+from tests.hub import Hub, hub_in_thread
 
 VERSION = "b11434"
 LLMGW_VERSION = "0.9.0"
@@ -55,18 +55,8 @@ class PinnedHub(Hub):
 
 @contextlib.contextmanager
 def pinned_hub(repos: dict[str, dict[str, bytes]], commit: str = COMMIT) -> Iterator[PinnedHub]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    hub = PinnedHub(repos, commit=commit)
-    asyncio.run_coroutine_threadsafe(hub.__aenter__(), loop).result(10)
-    try:
+    with hub_in_thread(repos, PinnedHub, commit=commit) as hub:
         yield hub
-    finally:
-        asyncio.run_coroutine_threadsafe(hub.__aexit__(None, None, None), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 @contextlib.contextmanager
