@@ -138,6 +138,10 @@ class Register(_Struct, tag="register", tag_field="type"):
     # What this agent does beyond protocol 1 (FEATURE_*): the server sends a request only
     # to an agent that named it, as an older one would skip it unanswered.
     features: list[str] = []
+    # How this node's llmgw is installed: INSTALL_NIX (the system owns it; upgraded with
+    # nixos-rebuild), INSTALL_PYTHON (a Python environment the agent may replace itself,
+    # with FEATURE_SELF_UPGRADE); "" from an older agent.
+    installation: str = ""
 
 
 class Heartbeat(_Struct, tag="heartbeat", tag_field="type"):
@@ -338,16 +342,59 @@ class ShardLog(_Struct, tag="shard_log", tag_field="type"):
     error: str = ""
 
 
+# --- the agent replacing its own llmgw, for `llmgw ctl upgrade` -----------------------------
+
+# Register.features: the agent answers UpgradeAgent.
+FEATURE_SELF_UPGRADE = "self_upgrade"
+INSTALL_NIX = "nix"
+INSTALL_PYTHON = "python"
+
+
+class UpgradeWheel(_Struct):
+    """One wheel of llmgw's release, on the control plane's mirror (a MIRROR_SCHEME URL),
+    pinned by the bundle's signed manifest."""
+
+    url: str
+    sha256: str
+    size: int
+
+
+class UpgradeAgent(_Struct, tag="upgrade_agent", tag_field="type"):
+    """Down: install llmgw ``version`` from ``wheels`` (every platform's: the agent takes
+    those that can suit it, and the installer picks), check it, and restart into it with
+    the shards left running. Answered by UpgradeStatus messages that carry ``request``."""
+
+    request: str
+    version: str
+    wheels: list[UpgradeWheel] = []
+
+
+# UpgradeStatus.state: working (a step; ``detail`` says which), failed (``detail`` says
+# why; the agent runs on as it was), restarting (installed and checked: the agent is
+# about to run the new llmgw, which registers with its version).
+UPGRADE_WORKING = "working"
+UPGRADE_FAILED = "failed"
+UPGRADE_RESTARTING = "restarting"
+
+
+class UpgradeStatus(_Struct, tag="upgrade_status", tag_field="type"):
+    """Up: how an UpgradeAgent is going."""
+
+    request: str
+    state: str
+    detail: str = ""
+
+
 Up = (Register | Heartbeat | InventoryUpdate | ShardStatus | RenewCertificate
-      | ShardLog)
+      | ShardLog | UpgradeStatus)
 Down = (Welcome | StartShard | StopShard | Certificate | CertificateRefused
-        | InstallEngines | ShardLogRequest | ShardLogCancel)
+        | InstallEngines | ShardLogRequest | ShardLogCancel | UpgradeAgent)
 
 _UP_TAGS = frozenset({"register", "heartbeat", "inventory", "shard_status",
-                      "renew_certificate", "shard_log"})
+                      "renew_certificate", "shard_log", "upgrade_status"})
 _DOWN_TAGS = frozenset({"welcome", "start_shard", "stop_shard", "certificate",
                         "certificate_refused", "install_engines", "shard_log_request",
-                        "shard_log_cancel"})
+                        "shard_log_cancel", "upgrade_agent"})
 
 _encoder = msgspec.msgpack.Encoder()
 _up_decoder = msgspec.msgpack.Decoder(Up)

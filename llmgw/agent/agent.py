@@ -20,9 +20,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from llmgw import __version__, pki, wire
+from llmgw.agent import self_upgrade
 from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable, client_context
 from llmgw.agent.discovery import gpus, host, infiniband
 from llmgw.agent.install.manager import EngineInstaller
+from llmgw.agent.install.pypi import InstallError
 from llmgw.agent.runtime import (
     ManagerUnreachable,
     ProcessRuntime,
@@ -158,6 +160,11 @@ class Agent:
         )
         self.installer = EngineInstaller(config, set_binary=self.supervisor.set_binary,
                                          changed=self._probe_now.set, tracing=self.tracing)
+        self.installation = self_upgrade.installation()
+        self.upgrader = self_upgrade.SelfUpgrade(config.state_dir)
+        self._upgrading: asyncio.Task | None = None
+        # Set once an upgrade installed a new llmgw: the command to run it; run() returns.
+        self._handover: asyncio.Future[list[str]] | None = None
 
     def _route(self) -> str:
         """The address the control plane reaches us at: configured, or the source address
@@ -226,7 +233,10 @@ class Agent:
             ports_busy=self.ports_busy(self.supervisor.own_ports()),
             agent_version=__version__,
             installable_engines=self.installer.installable(),
-            features=[wire.FEATURE_SHARD_LOGS, wire.FEATURE_MIRROR],
+            features=[wire.FEATURE_SHARD_LOGS, wire.FEATURE_MIRROR,
+                      *([wire.FEATURE_SELF_UPGRADE]
+                        if self.installation == wire.INSTALL_PYTHON else [])],
+            installation=self.installation,
         )
 
     def heartbeat(self, own_ports: set[int]) -> wire.Heartbeat:
@@ -238,20 +248,70 @@ class Agent:
                               weights_free_mib=self.weights.free_mib(),
                               ports_busy=self.ports_busy(own_ports), sent_at=time.time())
 
-    async def run(self) -> None:
-        """Serve until cancelled."""
+    async def run(self) -> list[str] | None:
+        """Serve until cancelled (None), or until an upgrade installed a new llmgw: then
+        return the command that runs it, for the caller to exec once all is closed."""
         await asyncio.to_thread(self.weights.prepare)
+        self._handover = asyncio.get_running_loop().create_future()
         async with self.supervisor, self.installer:
             adopted = await self.supervisor.adopt_running()
             if adopted:
                 log.info("found %d shard(s) still running", adopted)
+            connecting = asyncio.create_task(self._connect_forever())
             try:
-                await self._connect_forever()
+                await asyncio.wait([connecting, self._handover],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if connecting.done():
+                    connecting.result()  # its error, if it had one
+                return self._handover.result()
             finally:
-                if self.config.stop_shards_on_exit:
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                if self._upgrading is not None:
+                    self._upgrading.cancel()
+                    await asyncio.gather(self._upgrading, return_exceptions=True)
+                # The new llmgw adopts the shards: they keep running through an upgrade.
+                if self.config.stop_shards_on_exit and not self._handover.done():
                     log.info("stopping every shard before exit")
                     await asyncio.shield(self.supervisor.stop_all())
                 await asyncio.shield(asyncio.to_thread(self.tracing.shutdown))
+
+    def _upgrade(self, message: wire.UpgradeAgent, plane: ControlPlane) -> None:
+        if self._upgrading is not None and not self._upgrading.done():
+            self._send(wire.UpgradeStatus(
+                request=message.request, state=wire.UPGRADE_FAILED,
+                detail="this agent is already upgrading; ask again once it is done"))
+            return
+        self._upgrading = asyncio.create_task(self._self_upgrade(message, plane))
+
+    async def _self_upgrade(self, message: wire.UpgradeAgent, plane: ControlPlane) -> None:
+        """Install the release, then hand over to it (run() returns its command)."""
+        def status(detail: str) -> None:
+            log.info("upgrade to llmgw %s: %s", message.version, detail)
+            self._send(wire.UpgradeStatus(request=message.request,
+                                          state=wire.UPGRADE_WORKING, detail=detail))
+
+        log.info("upgrading this agent from llmgw %s to %s, as the control plane asks",
+                 __version__, message.version)
+        try:
+            environment = await self.upgrader.install(message, plane, status)
+        except InstallError as err:
+            log.warning("upgrade to llmgw %s failed: %s; running on as llmgw %s",
+                        message.version, err, __version__)
+            self._send(wire.UpgradeStatus(request=message.request, state=wire.UPGRADE_FAILED,
+                                          detail=str(err)))
+            return
+        argv = self_upgrade.restart_argv(environment)
+        log.info("llmgw %s is installed in %s; restarting into it, shards left running",
+                 message.version, environment)
+        self._send(wire.UpgradeStatus(request=message.request, state=wire.UPGRADE_RESTARTING,
+                                      detail=f"installed in {environment}; restarting"))
+        # Sent before the stream closes, unless the stream is gone already: the server
+        # then learns of it from the Register of the new llmgw.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.join(), 5.0)
+        if self._handover is not None and not self._handover.done():
+            self._handover.set_result(argv)
 
     async def _connect_forever(self) -> None:
         attempt = 0
@@ -301,6 +361,7 @@ class Agent:
             # turning ready in between is reported after it, not lost.
             while not self._outbox.empty():
                 self._outbox.get_nowait()
+                self._outbox.task_done()
             self._connected = True
             await ws.send_bytes(wire.encode(self.register(inventory)))
             self._inventory_sent = inventory
@@ -339,6 +400,8 @@ class Agent:
                         logs.handle(message)
                     elif isinstance(message, wire.InstallEngines):
                         self.installer.want(message)
+                    elif isinstance(message, wire.UpgradeAgent):
+                        self._upgrade(message, plane)
                     elif isinstance(message, wire.Certificate) and tls is not None:
                         await asyncio.to_thread(self._install_certificate, tls, message)
                     elif isinstance(message, wire.CertificateRefused):
@@ -415,13 +478,17 @@ class Agent:
         next_beat = time.monotonic()
         while True:
             timeout = max(0.0, next_beat - time.monotonic())
+            queued = True
             try:
                 message = await asyncio.wait_for(self._outbox.get(), timeout)
             except TimeoutError:
+                queued = False
                 message = await asyncio.to_thread(self.heartbeat,
                                                   self.supervisor.own_ports())
                 next_beat = time.monotonic() + interval_s
             await ws.send_bytes(wire.encode(message))
+            if queued:
+                self._outbox.task_done()  # _self_upgrade waits for its last word to go
 
     async def _probe_loop(self) -> None:
         """Look at the node again now and then (and at once after weights were fetched),

@@ -252,6 +252,12 @@ class _Builder:
             paths.append(path)
         if not paths:
             raise BundleError(f"--wheels {folder} is empty")
+        ours = [e.name for e in entries if e.name.startswith("llmgw-")]
+        if not any(name.startswith(f"llmgw-{version}-") for name in ours):
+            raise BundleError(
+                f"--wheels {folder} holds no wheel of llmgw {version}"
+                + (f" (it holds {', '.join(ours)}): give --llmgw-version" if ours else
+                   ": put llmgw's own wheel beside its dependencies"))
         return mf.LlmgwRelease(version=version, kind="wheels", files=paths,
                                platforms=sorted(platforms))
 

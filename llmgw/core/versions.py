@@ -42,3 +42,23 @@ def behind_words(control_plane: str, node: str) -> str | None:
         return None
     return (f"llmgw {node} is more than one release behind the control plane's "
             f"{control_plane}: upgrade the node (docs/operations.md, Upgrading)")
+
+
+_NUMBERS = re.compile(r"\d+(?:\.\d+)*")
+
+
+def newer(version: str, than: str) -> bool | None:
+    """Whether ``version`` is a later release than ``than`` by its numbers (``0.10.1`` >
+    ``0.9.3``); None when either has none to compare, or their numbers are equal but the
+    versions differ (``0.5.0rc1`` and ``0.5.0``: no order is guessed)."""
+    a, b = _NUMBERS.match(version), _NUMBERS.match(than)
+    if a is None or b is None:
+        return None
+    ours = [int(n) for n in a[0].split(".")]
+    theirs = [int(n) for n in b[0].split(".")]
+    width = max(len(ours), len(theirs))
+    ours += [0] * (width - len(ours))
+    theirs += [0] * (width - len(theirs))
+    if ours == theirs:
+        return False if version == than else None
+    return ours > theirs

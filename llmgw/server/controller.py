@@ -48,6 +48,7 @@ from llmgw.core.versions import behind_words
 from llmgw.server import replica_table
 from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
 from llmgw.server.agents.shard_logs import ShardLogs
+from llmgw.server.agents.upgrades import AgentUpgrades
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller_stats import ControllerStats
 from llmgw.server.mirror import mirror_engines
@@ -124,6 +125,7 @@ class Controller:
         self.stats = ControllerStats()
         # `ctl logs` requests open on this server's node streams.
         self.shard_logs = ShardLogs(self.sessions.send)
+        self.upgrades = AgentUpgrades(self.sessions.send)
         # Each replica's start, a span open from its placement until it serves or fails.
         self._starts: dict[str, trace.Span] = {}
         # Each unplaced model's refusals as last traced: a refusal is traced (and counted)

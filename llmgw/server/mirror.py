@@ -38,7 +38,7 @@ from litestar.response import File
 
 from llmgw import wire
 from llmgw.bundle import manifest as mf
-from llmgw.bundle.manifest import BundleError, BundleFile, Manifest
+from llmgw.bundle.manifest import BundleError, BundleFile, LlmgwRelease, Manifest
 from llmgw.bundle.mirror import configured_dir, current_dir, current_manifest, file_path
 from llmgw.config import ServerConfig
 from llmgw.core.desired_engines import MirrorEngines
@@ -74,6 +74,7 @@ class Held:
     files: dict[str, BundleFile]
     models: dict[str, dict[str, dict[str, BundleFile]]]
     engines: MirrorEngines
+    llmgw: LlmgwRelease | None = None
 
     @classmethod
     def of(cls, folder: Path, manifest: Manifest) -> Held:
@@ -91,7 +92,16 @@ class Held:
             held = models.setdefault(model.repo, {}).setdefault(model.revision, {})
             held.update({p.removeprefix(prefix): files[p] for p in model.files
                          if p.startswith(prefix)})
-        return cls(folder, files, models, engines)
+        return cls(folder, files, models, engines, manifest.llmgw)
+
+    def upgrade_wheels(self) -> list[wire.UpgradeWheel]:
+        """llmgw's wheels, as UpgradeAgent sends them (none when it holds a Nix closure)."""
+        release = self.llmgw
+        if release is None or release.kind != "wheels":
+            return []
+        return [wire.UpgradeWheel(url=f"{wire.MIRROR_SCHEME}{wire.MIRROR_FILES}/{path}",
+                                  sha256=self.files[path].sha256, size=self.files[path].size)
+                for path in release.files if path.endswith(".whl")]
 
 
 class ServedMirror:

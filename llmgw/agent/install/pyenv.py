@@ -163,7 +163,7 @@ def check_source_requirements(text: str, what: str) -> list[str]:
 # --- building ----------------------------------------------------------------------------
 
 
-def _uv_env(cache: Path) -> dict[str, str]:
+def uv_env(cache: Path) -> dict[str, str]:
     """The agent's environment without anything that would steer uv or pip elsewhere."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("UV_", "PIP_")) and k not in (
@@ -194,7 +194,7 @@ def _hash_mismatch(lines: Sequence[str]) -> str | None:
             "the hashes were taken (on the index or on the way), and nothing was installed")
 
 
-def _failure(what: str, result: CommandResult) -> InstallError:
+def uv_failure(what: str, result: CommandResult) -> InstallError:
     readable = _hash_mismatch(result.tail)
     if readable:
         return InstallError(readable)
@@ -227,7 +227,7 @@ async def compile_requirements(requirements: str, *, index_url: str,
         argv += ["--exclude-newer", exclude_newer]
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=_uv_env(cache_dir))
+        stderr=asyncio.subprocess.PIPE, env=uv_env(cache_dir))
     try:
         out, err = await asyncio.wait_for(proc.communicate(requirements.encode()),
                                           VENV_TIMEOUT_S)
@@ -268,7 +268,7 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
         return existing
     await make_room(root, name, version, min_free_bytes)
     cache = cache_dir or root / ".uv-cache"
-    env = _uv_env(cache)
+    env = uv_env(cache)
     uv = find_uv_bin()
     await asyncio.to_thread(sweep_scratch, root, f"{_SCRATCH_PREFIX}{name}@{version}")
     work = root / f"{_SCRATCH_PREFIX}{name}@{version}@{secrets.token_hex(4)}"
@@ -280,7 +280,7 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
             [uv, "venv", "--no-config", "--relocatable", "--python", python, str(work)],
             env=env, timeout_s=VENV_TIMEOUT_S)
         if result.returncode != 0:
-            raise _failure(f"creating the Python {python} environment", result)
+            raise uv_failure(f"creating the Python {python} environment", result)
         await asyncio.to_thread((work / REQUIREMENTS).write_text, requirements)
 
         status(f"installing {len(packages)} packages for {name} {version}")
@@ -293,12 +293,12 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
         result = await run_command([*argv, "-r", str(work / REQUIREMENTS)], env=env,
                                    timeout_s=INSTALL_TIMEOUT_S)
         if result.returncode != 0:
-            raise _failure(f"installing {name} {version}'s packages", result)
+            raise uv_failure(f"installing {name} {version}'s packages", result)
         result = await run_command(
             [uv, "pip", "freeze", "--no-config", "--python", scratch_python], env=env,
             timeout_s=VENV_TIMEOUT_S, keep_lines=100_000)
         if result.returncode != 0:
-            raise _failure(f"listing {name} {version}'s packages", result)
+            raise uv_failure(f"listing {name} {version}'s packages", result)
         resolved = [line for line in result.tail if "==" in line]
         await asyncio.to_thread((work / RESOLVED).write_text, "\n".join(resolved) + "\n")
 

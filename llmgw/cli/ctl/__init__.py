@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import argparse
 
-from llmgw.cli.ctl import keys, logs, models, nodes, session, signup, status, users
+from llmgw.cli.ctl import (
+    keys,
+    logs,
+    models,
+    nodes,
+    session,
+    signup,
+    status,
+    upgrade,
+    users,
+)
 from llmgw.cli.ctl.commands import Commands
 
 
 def add_parsers(ctl: argparse._SubParsersAction) -> None:
     """ctl's commands, under an existing ``llmgw ctl`` parser, in the order help lists them."""
     commands = Commands(ctl)
-    for group in (session, keys, users, status, nodes, models, logs, signup):
+    for group in (session, keys, users, status, nodes, models, logs, upgrade, signup):
         group.add_parsers(commands)

@@ -1,7 +1,7 @@
-"""``/api``: the admin API: cluster status, models, nodes, shard logs, accounts, sessions
-and API keys."""
+"""``/api``: the admin API: cluster status, models, nodes, shard logs, accounts, sessions,
+API keys and the nodes' upgrades."""
 
-from llmgw.server.admin import accounts, keys, logs, models, nodes, status
+from llmgw.server.admin import accounts, keys, logs, models, nodes, status, upgrade
 
 ROUTES = [*status.ROUTES, *accounts.ROUTES, *keys.ROUTES, *nodes.ROUTES, *models.ROUTES,
-          *logs.ROUTES]
+          *logs.ROUTES, *upgrade.ROUTES]

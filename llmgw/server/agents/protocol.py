@@ -117,6 +117,7 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
         node_id=msg.node_id, heartbeat_interval_s=controller.heartbeat_interval_s,
         term=controller.term or 0, mirror=welcome_mirror(controller.settings))))
     controller.node_welcomed(msg.node_id, time.time())
+    controller.upgrades.registered(msg, time.time())
     sender = asyncio.create_task(_send_loop(socket, outbox))
     who = f"{msg.node_id} ({peer})"
     try:
@@ -140,6 +141,9 @@ async def serve_agent(socket: AgentSocket, controller: Controller,
                 outbox.put_nowait(await _renew(identity, renew, msg.node_id, message))
             elif isinstance(message, wire.ShardLog):
                 controller.shard_logs.deliver(msg.node_id, message)
+            elif isinstance(message, wire.UpgradeStatus):
+                controller.sessions.seen(msg.node_id, now)
+                controller.upgrades.reported(msg.node_id, message, now)
             elif isinstance(message, wire.Register):
                 await refuse(socket, msg.node_id, CLOSE_PROTOCOL, "registered twice on one stream")
                 break
