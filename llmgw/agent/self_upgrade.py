@@ -38,6 +38,7 @@ from uv import find_uv_bin
 
 from llmgw import wire
 from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable
+from llmgw.agent.install import wheelset
 from llmgw.agent.install.archives import free_bytes, put_in_place, sweep_scratch
 from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import run_command
@@ -60,9 +61,6 @@ CHECK_TIMEOUT_S = 120.0
 # Room for the wheels, uv's unpacked copies and the environment, over the wheels' size.
 _ROOM_FACTOR = 4
 _VERSION = re.compile(r"[0-9][A-Za-z0-9.+!_-]{0,63}")
-# A wheel's file name: name-version(-build)?-python-abi-platform.whl (PEP 427).
-_WHEEL = re.compile(r"(?P<name>[^-]+)-(?P<version>[^-]+)(?:-[0-9][^-]*)?"
-                    r"-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl")
 
 
 def installation() -> str:
@@ -77,57 +75,13 @@ def root_of(state_dir: str | Path) -> Path:
     return Path(state_dir) / FOLDER
 
 
-def _suits_python(python_tags: str, abi_tags: str) -> bool:
-    major, minor = sys.version_info[:2]
-    for tag in python_tags.split("."):
-        if tag in ("py3", f"py{major}{minor}"):
-            return True
-        found = re.fullmatch(r"cp(\d)(\d+)", tag)
-        if found and int(found[1]) == major:
-            wanted = int(found[2])
-            # An abi3 wheel serves every later CPython; any other only its own.
-            if wanted == minor or ("abi3" in abi_tags.split(".") and wanted <= minor):
-                return True
-    return False
-
-
-def _suits_platform(platform_tags: str) -> bool:
-    machine = platform.machine().lower()
-    system = sys.platform
-    for tag in platform_tags.split("."):
-        if tag == "any":
-            return True
-        if (system.startswith("linux") and tag.endswith(f"_{machine}")
-                and tag.startswith(("linux_", "manylinux", "musllinux"))):
-            return True
-    return False
+def _file(wheel: wire.UpgradeWheel) -> str:
+    return wheel.url.rsplit("/", 1)[-1]
 
 
 def suitable(wheels: Sequence[wire.UpgradeWheel]) -> list[wire.UpgradeWheel]:
-    """The wheels that can install here (this CPython, this OS and machine): a first cut
-    that spares downloading other platforms' wheels; uv picks among what is left."""
-    kept = []
-    for wheel in wheels:
-        found = _WHEEL.fullmatch(wheel.url.rsplit("/", 1)[-1])
-        if found and _suits_python(found["python"], found["abi"]) and _suits_platform(
-                found["platform"]):
-            kept.append(wheel)
-    return kept
-
-
-def requirements(wheels: Sequence[tuple[str, str]]) -> str:
-    """``--require-hashes`` lines for (file name, sha256) pairs: one line per distribution
-    and version, with the hash of each of its files."""
-    hashes: dict[tuple[str, str], list[str]] = {}
-    for name, sha256 in wheels:
-        found = _WHEEL.fullmatch(name)
-        if found is None:
-            raise InstallError(f"{name} is not a wheel's file name (NAME-VERSION-PY-ABI-"
-                               "PLATFORM.whl); the bundle was not made by llmgw bundle create")
-        hashes.setdefault((found["name"], found["version"]), []).append(sha256)
-    return "".join(
-        f"{name}=={version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(digests)) + "\n"
-        for (name, version), digests in sorted(hashes.items()))
+    """The wheels that can install for this agent's own Python (install/wheelset.py)."""
+    return [w for w in wheels if wheelset.suits(_file(w), sys.version_info[:2])]
 
 
 def _link(root: Path, name: str, target: Path) -> None:
@@ -199,8 +153,7 @@ class SelfUpgrade:
             raise InstallError(f"this node's llmgw runs from the Nix store ({sys.prefix}): "
                                "the system owns it; upgrade it with nixos-rebuild")
         wheels = suitable(message.wheels)
-        if not any(_WHEEL.fullmatch(w.url.rsplit("/", 1)[-1])["name"] == "llmgw"
-                   for w in wheels):
+        if not any(wheelset.distribution(_file(w)) == "llmgw" for w in wheels):
             raise InstallError(
                 f"the control plane's bundle holds no llmgw {version} wheel for this node "
                 f"(CPython {sys.version_info[0]}.{sys.version_info[1]}, "
@@ -247,11 +200,12 @@ class SelfUpgrade:
                 timeout=timeout, connector=aiohttp.TCPConnector(ssl=context)) as http:
             for wheel in wheels:
                 # One plain file name: the URL's last element, matched as a wheel's above.
-                name = wheel.url.rsplit("/", 1)[-1]
+                name = _file(wheel)
                 await download(http, plane.resolve(wheel.url), downloads / name,
                                sha256=wheel.sha256, max_bytes=wheel.size)
                 files.append((name, wheel.sha256))
-        await asyncio.to_thread((work / "requirements.txt").write_text, requirements(files))
+        await asyncio.to_thread((work / "requirements.txt").write_text,
+                                wheelset.requirements(files))
 
         env = uv_env(work / "uv-cache")
         uv = find_uv_bin()
@@ -283,3 +237,23 @@ class SelfUpgrade:
         if result.tail[-1:] != [version]:
             raise InstallError(f"the wheels installed llmgw {said or 'of no version'}, not "
                                f"{version}: the bundle's manifest and its wheels disagree")
+
+
+def rollback(state_dir: str | Path) -> tuple[str, str]:
+    """Go back to the installation before the current one: (the version left, the one
+    gone back to; "" for the llmgw the agent is started with, when the first upgrade
+    made the current one). The running agent is not touched: it takes effect at its next
+    start. InstallError when there is nothing to go back from."""
+    root = root_of(state_dir)
+    current, previous = root / CURRENT, root / PREVIOUS
+    if not current.is_symlink():
+        raise InstallError(f"{current} does not exist: this node's llmgw was never upgraded "
+                           "by `llmgw ctl upgrade`; there is nothing to go back from")
+    left = current.resolve()
+    if previous.is_symlink() and previous.resolve().is_dir():
+        back = previous.resolve()
+        _link(root, CURRENT, back)
+        _link(root, PREVIOUS, left)
+        return left.name, back.name
+    current.unlink()
+    return left.name, ""

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import sys
 
-from llmgw.cli import agent_join, doctor, engine_check, server_init
+from llmgw.cli import agent_join, agent_rollback, doctor, engine_check, server_init
 from llmgw.cli import bundle as bundle_commands
 from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import store as store_commands
@@ -119,7 +119,9 @@ def parser() -> argparse.ArgumentParser:
                    "exit code 1 when something blocks it")
     p.add_argument("--json", action="store_true", help="with --check: print JSON")
     p.set_defaults(func=_agent)
-    agent_join.add_parser(p.add_subparsers(dest="agent_command", metavar="COMMAND"))
+    agent_commands = p.add_subparsers(dest="agent_command", metavar="COMMAND")
+    agent_join.add_parser(agent_commands)
+    agent_rollback.add_parser(agent_commands)
 
     p = sub.add_parser("up", help="run everything on this machine",
                        description="Run a server (SQLite), a local agent and one small model "

@@ -31,7 +31,7 @@ MODEL = "sim-upgrade"
 
 
 def _later(version: str) -> str:
-    major, minor, patch = (version.split("+")[0].split(".") + ["0", "0"])[:3]
+    major, minor, patch = [*version.split("+")[0].split("."), "0", "0"][:3]
     return f"{major}.{minor}.{int(patch) + 1}"
 
 
@@ -131,6 +131,12 @@ def test_ctl_upgrade_rolls_three_agents_forward_under_load_with_engines_adopted(
              30, "the restarted agent to hand over to the upgraded llmgw")
     assert sys.executable not in _agent_python(first)
     assert first.engine_pids() == engines[first.node_id]
+
+    # Going back: with no managed installation before it, to the llmgw it is started with.
+    back = run("agent", "rollback", "--config", str(first.config_path))
+    assert back.code == 0, back.err
+    assert f"not llmgw {NEW}, from its next start" in back.out
+    assert not (first.state_dir / "llmgw" / "current").exists()
 
 
 def current_of(agent) -> Path:

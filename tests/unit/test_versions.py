@@ -7,7 +7,7 @@ import pytest
 import llmgw
 from llmgw import wire
 from llmgw.core.inventory import Timeouts
-from llmgw.core.versions import behind_words, releases_behind
+from llmgw.core.versions import behind_words, newer, releases_behind
 from llmgw.server.admin.nodes import node_view
 from llmgw.server.agents.sessions import NodeSessions
 
@@ -25,6 +25,27 @@ from llmgw.server.agents.sessions import NodeSessions
 ])
 def test_releases_behind(ours: str, theirs: str, behind: int | None) -> None:
     assert releases_behind(ours, theirs) == behind
+
+
+@pytest.mark.parametrize(("version", "than", "later"), [
+    ("0.10.1", "0.9.3", True),  # by number, not by string
+    ("0.9.3", "0.10.1", False),
+    ("0.6.0", "0.5.9", True),
+    ("1.0.0", "0.99.99", True),
+    ("0.5.1", "0.5", True),
+    ("0.5", "0.5.1", False),
+    ("0.1.0", "0.1.0", False),
+    ("0.6.0rc1", "0.5.2", True),  # numbers differ: the suffix does not matter
+    ("0.5.0rc1", "0.5.0", None),  # equal numbers, different versions: no order guessed
+    ("0.5.0", "0.5.0rc1", None),
+    ("1.0", "1.0.0", None),
+    ("0.0.0+unknown", "0.5.0", False),
+    ("nightly", "0.5.0", None),
+    ("0.5.0", "", None),
+    ("v0.6.0", "0.5.0", None),
+])
+def test_newer(version: str, than: str, later: bool | None) -> None:
+    assert newer(version, than) is later
 
 
 def test_a_node_two_releases_behind_is_warned_about_in_its_view(monkeypatch) -> None:

@@ -348,6 +348,15 @@ class EngineInstaller:
             found = pyenv.installed_environment(self.root, want.name, build.directory)
             if found is not None:
                 return found
+            if is_mirrored(want.release_url):
+                # The bundle's wheel set, pinned by its manifest: no index is read.
+                async with self._reaching(http, want, f"{want.release_url}/{want.version}") as (
+                        session, url):
+                    return await pyenv.build_from_bundle(
+                        session, base_url=url, pins=want.sha256, root=self.root,
+                        name=want.name, version=build.directory, python=self._python,
+                        import_check=_IMPORT_CHECKS[want.name], status=status,
+                        min_free_bytes=build.min_free_mib * 2**20)
         if build.kind == "archive":
             sha256 = await self._digest(http, want, build)
             async with self._reaching(

@@ -19,15 +19,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+import aiohttp
 from uv import find_uv_bin
 
+from llmgw.agent.install import wheelset
 from llmgw.agent.install.archives import (
     MARKER,
     checked_name_version,
@@ -36,11 +39,17 @@ from llmgw.agent.install.archives import (
     put_in_place,
     sweep_scratch,
 )
+from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
 
 REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
 RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
+BUNDLED = "the control plane's bundle"  # the marker's index_url for a bundle's wheels
+# A bundle's wheel set: its requirements (--require-hashes lines), beside its wheels.
+BUNDLE_REQUIREMENTS = "requirements.txt"
+_WHEELS_PREFIX = ".wheels@"
+MAX_WHEEL_BYTES = 16 * 2**30  # torch's CUDA wheels are a few GB; the sha256 pins each
 _SCRATCH_PREFIX = ".pyenv@"  # '@' is in no valid name, so a sweep finds only its own
 VENV_TIMEOUT_S = 300.0
 INSTALL_TIMEOUT_S = 3600.0  # vLLM is several GB of wheels
@@ -251,7 +260,8 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
                             index_url: str, python: str, exclude_newer: str | None,
                             import_check: str, status: Callable[[str], None],
                             min_free_bytes: int, extra_index_urls: Sequence[str] = (),
-                            cache_dir: Path | None = None) -> Path:
+                            cache_dir: Path | None = None,
+                            find_links: Path | None = None) -> Path:
     """Build the environment ``name`` ``version`` into ``root/name/version`` and return it;
     an environment already built there is returned as it is. ``requirements`` is pinned
     and hashed (``uv pip compile --generate-hashes``); ``index_url`` (and
@@ -259,6 +269,8 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
     from, as the index stood at ``exclude_newer``; ``import_check`` is Python code run with
     the environment's interpreter (it may compute on the GPU). uv's cache is
     ``cache_dir``, by default ``root/.uv-cache`` (same filesystem: uv hard-links from it).
+    With ``find_links`` (a folder of wheels: a bundle's, from the control plane's mirror)
+    no index is read at all: the packages are those files, under the same hashes.
     Every failure raises InstallError in words for the operator, and leaves nothing in
     place."""
     name, version = checked_name_version(name, version)
@@ -285,11 +297,15 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
 
         status(f"installing {len(packages)} packages for {name} {version}")
         argv = [uv, "pip", "install", "--no-config", "--python", scratch_python,
-                "--require-hashes", "--index-url", index_url]
-        for extra in extra_index_urls:
-            argv += ["--extra-index-url", extra]
-        if exclude_newer:
-            argv += ["--exclude-newer", exclude_newer]
+                "--require-hashes"]
+        if find_links is not None:
+            argv += ["--no-index", "--find-links", str(find_links)]
+        else:
+            argv += ["--index-url", index_url]
+            for extra in extra_index_urls:
+                argv += ["--extra-index-url", extra]
+            if exclude_newer:
+                argv += ["--exclude-newer", exclude_newer]
         result = await run_command([*argv, "-r", str(work / REQUIREMENTS)], env=env,
                                    timeout_s=INSTALL_TIMEOUT_S)
         if result.returncode != 0:
@@ -312,7 +328,8 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
                                f"(exit {result.returncode}): {result.tail_text(8)}")
 
         marker = {"name": name, "version": version, "python": python,
-                  "index_url": index_url, "extra_index_urls": list(extra_index_urls),
+                  "index_url": index_url if find_links is None else BUNDLED,
+                  "extra_index_urls": list(extra_index_urls),
                   "exclude_newer": exclude_newer, "packages": len(resolved),
                   "hashes": "every package matched its --hash", "import_check": import_check,
                   "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -330,3 +347,50 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
 
 
 
+
+
+async def build_from_bundle(session: aiohttp.ClientSession, *, base_url: str,
+                            pins: Mapping[str, str], root: Path, name: str, version: str,
+                            python: str, import_check: str, status: Callable[[str], None],
+                            min_free_bytes: int) -> Path:
+    """Build the environment from a bundle's wheel set on the control plane's mirror:
+    ``pins`` maps each file at ``base_url`` to its sha256 (from the bundle's signed
+    manifest, sent by the control plane), the wheels and their ``requirements.txt``. Only
+    the wheels that can suit ``python`` here are fetched, each checked against its pin,
+    and installed with no index (``build_environment`` with ``find_links``)."""
+    name, version = checked_name_version(name, version)
+    existing = installed_environment(root, name, version)
+    if existing is not None:
+        return existing
+    if BUNDLE_REQUIREMENTS not in pins:
+        raise InstallError(f"the control plane's bundle holds {name} {version} without its "
+                           f"{BUNDLE_REQUIREMENTS}: make the bundle again with this llmgw's "
+                           "`llmgw bundle create --engine`")
+    target = wheelset.python_of(python)
+    wheels = sorted(f for f in pins if wheelset.suits(f, target))
+    if not wheels:
+        held = sorted(f for f in pins if f.endswith(".whl"))
+        raise InstallError(
+            f"the control plane's bundle holds no wheel of {name} {version} for "
+            f"{'CPython ' + python if target else python} on {platform.machine()} (it holds "
+            f"{', '.join(held[:3]) or 'none'}{' and more' if len(held) > 3 else ''}): make "
+            "the bundle with --python and --python-platform for this node")
+    await make_room(root, name, version, min_free_bytes)
+    folder = root / f"{_WHEELS_PREFIX}{name}@{version}@{secrets.token_hex(4)}"
+    try:
+        await asyncio.to_thread(sweep_scratch, root, f"{_WHEELS_PREFIX}{name}@{version}")
+        await asyncio.to_thread(folder.mkdir, parents=True)
+        status(f"downloading {len(wheels)} wheels of {name} {version} from the control plane")
+        for file in [BUNDLE_REQUIREMENTS, *wheels]:
+            await download(session, f"{base_url}/{file}", folder / file, sha256=pins[file],
+                           max_bytes=MAX_WHEEL_BYTES)
+        requirements = await asyncio.to_thread((folder / BUNDLE_REQUIREMENTS).read_text)
+        return await build_environment(
+            root=root, name=name, version=version, requirements=requirements, index_url="",
+            python=python, exclude_newer=None, import_check=import_check, status=status,
+            min_free_bytes=min_free_bytes, find_links=folder)
+    except OSError as err:
+        raise InstallError(f"installing {name} {version} in {root}: "
+                           f"{err.strerror or err}") from None
+    finally:
+        await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)

@@ -100,8 +100,9 @@ class AgentUpgrades:
     def reported(self, node: str, message: wire.UpgradeStatus, now: float) -> None:
         """The agent's word on the upgrade it was asked for."""
         upgrade = self._by_node.get(node)
+        # After RESTARTING, a late word from the old agent's stream changes nothing.
         if (upgrade is None or upgrade.request != message.request
-                or upgrade.view.state in FINISHED):
+                or upgrade.view.state not in (SENT, WORKING)):
             return
         if message.state == wire.UPGRADE_FAILED:
             self._finish(upgrade, FAILED, now, f"the agent did not upgrade: {message.detail}")
@@ -117,7 +118,8 @@ class AgentUpgrades:
             return
         view = upgrade.view
         if msg.agent_version != view.version:
-            if view.state == RESTARTING:
+            # Once it was told to restart, or came back new, another version is a failure.
+            if view.state not in (SENT, WORKING):
                 self._finish(upgrade, FAILED, now,
                              f"the node came back running llmgw {msg.agent_version or '?'}, "
                              f"not {view.version}: the new installation did not start (its "
