@@ -42,9 +42,10 @@ from llmgw.agent.install import wheelset
 from llmgw.agent.install.archives import free_bytes, put_in_place, sweep_scratch
 from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import run_command
-from llmgw.agent.install.pyenv import VENV_TIMEOUT_S, uv_env, uv_failure
+from llmgw.agent.install.pyenv import VENV_TIMEOUT_S, uv_failure
 from llmgw.agent.install.pypi import InstallError
 from llmgw.agent.weights.manifest import size_text
+from llmgw.uvenv import uv_env
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import aiohttp
 
 from llmgw.bundle import manifest as mf
 from llmgw.bundle import nix as nixcache
-from llmgw.bundle import signing
+from llmgw.bundle import signing, wheelsets
 from llmgw.bundle.manifest import BundleError, BundleFile, Manifest
 from llmgw.bundle.remote import Fetcher, git_oid, shown
 from llmgw.core.builds import NodeFacts, Refusal, candidate_builds
@@ -42,8 +42,9 @@ Say = Callable[[str], None]
 
 @dataclass(frozen=True, slots=True)
 class EngineWant:
-    """One engine version to bundle, for some processors and builds (none: every build
-    llama.cpp publishes for them)."""
+    """One engine version to bundle: llama.cpp's archives for some processors and builds
+    (none: every build it publishes for them), or a Python engine's wheel set (vLLM,
+    SGLang: wheelsets.py), resolved for the request's ``python_target``."""
 
     name: str
     version: str
@@ -78,6 +79,8 @@ class Request:
     release_url: str = ""
     hub: str = "https://huggingface.co"
     hub_token: str | None = None
+    # What Python engines' wheels are resolved for, and from which indexes.
+    python_target: wheelsets.Target = field(default_factory=wheelsets.Target)
     now: datetime | None = None
 
 
@@ -105,10 +108,10 @@ def parse_engine(text: str, arches: tuple[str, ...], builds: tuple[str, ...]) ->
     if name not in PUBLISHERS:
         raise BundleError(f"--engine {text!r}: no engine {name!r}; name one of "
                           + ", ".join(sorted(PUBLISHERS)))
-    if name != "llama.cpp":
-        raise BundleError(f"--engine {text!r}: bundles carry llama.cpp's archives only; "
-                          f"nodes install {name} from a package index they can reach "
-                          f"(engines.{name}.index_url)")
+    if name not in ("llama.cpp", *wheelsets.ENGINES):
+        raise BundleError(f"--engine {text!r}: bundles do not carry {name} yet (its source "
+                          "archive and Python packages); nodes install it from a package "
+                          f"index they can reach (engines.{name}.index_url)")
     if not version:
         raise BundleError(f"--engine {text!r}: {name} has no default version; write "
                           f"{name}@VERSION")
@@ -156,6 +159,7 @@ class _Builder:
     def __init__(self, root: Path, fetcher: Fetcher, say: Say) -> None:
         self.root, self.fetcher, self.say = root, fetcher, say
         self.files: dict[str, BundleFile] = {}
+        self.python_engines: dict[tuple[str, str], mf.EngineBuild] = {}
 
     def dest(self, path: str) -> Path:
         return self.root / mf.FILES / mf.check_path(path)
@@ -189,6 +193,49 @@ class _Builder:
                                   f"{expected}: the file is corrupt, or not the one published")
             self.add(path, size, got)
         return mf.EngineBuild(name=want.name, version=want.version, files=paths)
+
+    async def python_engine(self, want: EngineWant,
+                            target: wheelsets.Target) -> mf.EngineBuild:
+        """The wheel set wheelsets.resolve chooses, each checked against the sha256 the
+        index lists, and its requirements.txt, under engines/<name>/<version>/."""
+        requirements = mf.engine_path(want.name, want.version, wheelsets.REQUIREMENTS)
+        if (want.name, want.version) in self.python_engines:
+            return self.python_engines[want.name, want.version]  # asked for twice
+        extra = "".join(f" and {url}" for url in target.extra_index_urls)
+        self.say(f"resolving {want.name}=={want.version} for {target.shown} from "
+                 f"{shown(target.index_url)}{extra}"
+                 + (f" as it stood at {target.exclude_newer}" if target.exclude_newer else ""))
+        chosen = await wheelsets.resolve(want.name, want.version, target)
+        sizes = [c.wheel.size for c in chosen if c.wheel.size is not None]
+        self.say(f"resolved {len(chosen)} packages" + (
+            f", {sum(sizes):,} bytes of wheels" if len(sizes) == len(chosen) else ""))
+        paths = []
+        for c in chosen:
+            path = mf.engine_path(want.name, want.version, c.wheel.file)
+            paths.append(path)
+            url, size = c.wheel.url, c.wheel.size
+            self.say(f"downloading {c.wheel.file}"
+                     + (f" ({size:,} bytes)" if size is not None else ""))
+            got_size, got = await self.fetcher.download(
+                url, self.dest(path), wheelsets.MAX_WHEEL_BYTES if size is None else size)
+            if got != c.wheel.sha256:
+                raise BundleError(f"{c.wheel.file} from {shown(url)} has sha256 {got}, but "
+                                  f"the index lists {c.wheel.sha256}: the file is corrupt, "
+                                  "or not the one the index published")
+            if size is not None and got_size != size:
+                raise BundleError(f"{c.wheel.file} from {shown(url)} is {got_size} bytes; "
+                                  f"the index lists {size}")
+            self.add(path, got_size, got)
+        text = wheelsets.requirements_text(chosen).encode()
+        dest = self.dest(requirements)
+        dest.write_bytes(text)
+        self.add(requirements, len(text), hashlib.sha256(text).hexdigest())
+        total = sum(self.files[p].size for p in paths)
+        self.say(f"{want.name} {want.version}: {len(paths)} wheels, {total:,} bytes")
+        built = mf.EngineBuild(name=want.name, version=want.version,
+                               files=[*paths, requirements])
+        self.python_engines[want.name, want.version] = built
+        return built
 
     async def model(self, want: ModelWant) -> mf.ModelFiles:
         commit = want.revision if re.fullmatch(r"[0-9a-f]{40}", want.revision) else \
@@ -301,7 +348,9 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             builder = _Builder(root, Fetcher(http, request.hub, request.hub_token), say)
-            engines = [await builder.engine(e, request.release_url) for e in request.engines]
+            engines = [await builder.python_engine(e, request.python_target)
+                       if e.name in wheelsets.ENGINES else
+                       await builder.engine(e, request.release_url) for e in request.engines]
             models = [await builder.model(m) for m in request.models]
         llmgw = builder.wheels(request.wheels, version) if request.wheels else None
         if request.nix_closure:

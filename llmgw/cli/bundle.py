@@ -12,7 +12,9 @@ import asyncio
 import sys
 from pathlib import Path
 
+from llmgw.bundle import wheelsets
 from llmgw.config import ServerConfig, load
+from llmgw.core.desired_engines import PYPI
 
 
 def add_parser(sub) -> None:
@@ -36,8 +38,10 @@ def add_parser(sub) -> None:
     c = cmds.add_parser(
         "create", help="make a bundle (on a connected machine)",
         description="Download engine archives (checked against their publisher's sha256), "
-        "model files (pinned to the commit their revision names, checked against the hub's "
-        "listing) and llmgw's wheels or Nix closure into OUT, and sign the manifest. Prints "
+        "Python engines' wheel sets (resolved with uv for --python on --python-platform, "
+        "each wheel checked against its index's sha256), model files (pinned to the commit "
+        "their revision names, checked against the hub's listing) and llmgw's wheels or Nix "
+        "closure into OUT, and sign the manifest. Prints "
         "the manifest's sha256: carry it apart from the bundle (on paper, in a ticket) and "
         "give it to `llmgw bundle import --sha256`.")
     c.add_argument("out", type=Path, metavar="OUT", help="the bundle folder (or tar) to make")
@@ -45,12 +49,31 @@ def add_parser(sub) -> None:
     c.add_argument("--key", type=Path, required=True, metavar="FILE",
                    help="the signing key (`llmgw bundle keygen`)")
     c.add_argument("--engine", action="append", default=[], metavar="NAME[@VERSION]",
-                   help="an engine to bundle (llama.cpp; default version: the one this "
-                   "llmgw was checked against); repeat for several versions")
+                   help="an engine to bundle: llama.cpp (its archives), vllm or sglang (the "
+                   "wheels NAME==VERSION resolves to, and a requirements.txt pinning them); "
+                   "default version: the one this llmgw was checked against; repeat for "
+                   "several versions")
     c.add_argument("--arch", action="append", default=[], metavar="ARCH",
-                   help="the nodes' processors (x86_64, aarch64); default x86_64")
+                   help="llama.cpp: the nodes' processors (x86_64, aarch64); default x86_64")
     c.add_argument("--build", action="append", default=[], metavar="BUILD",
-                   help="only these builds (cpu, vulkan, cuda-13.3, cuda-12.8); default all")
+                   help="llama.cpp: only these builds (cpu, vulkan, cuda-13.3, cuda-12.8); "
+                   "default all")
+    c.add_argument("--python", default=wheelsets.DEFAULT_PYTHON, metavar="X.Y",
+                   help="vllm, sglang: the CPython version the nodes build engines with "
+                   f"(default {wheelsets.DEFAULT_PYTHON}, as the agent does)")
+    c.add_argument("--python-platform", default=wheelsets.DEFAULT_PLATFORM,
+                   metavar="PLATFORM",
+                   help="vllm, sglang: the nodes' platform, ARCH-manylinux_2_NN with the "
+                   f"oldest glibc among them (default {wheelsets.DEFAULT_PLATFORM}; "
+                   "aarch64-manylinux_2_35 for Grace and other ARM nodes)")
+    c.add_argument("--index-url", default=PYPI, metavar="URL",
+                   help=f"vllm, sglang: the package index (default {PYPI})")
+    c.add_argument("--extra-index-url", action="append", default=[], metavar="URL",
+                   help="vllm, sglang: another index, searched first (e.g. PyTorch's for a "
+                   "CUDA build of torch); repeatable")
+    c.add_argument("--exclude-newer", default="", metavar="DATE",
+                   help="vllm, sglang: resolve as the indexes stood at DATE (2025-06-30 or "
+                   "an RFC 3339 time); default now")
     c.add_argument("--release-url", default="", metavar="URL",
                    help="where engine archives are: URL/VERSION/FILE with URL/VERSION/"
                    "SHA256SUMS; default the publisher's GitHub releases")
@@ -166,7 +189,11 @@ def _create(args: argparse.Namespace) -> int:
             nix_closure=args.nix_closure, nix=nix.parse_command(args.nix),
             llmgw_version=args.llmgw_version,
             expires_in=create.parse_duration(args.expires_in),
-            release_url=args.release_url, hub=args.hub, hub_token=token)
+            release_url=args.release_url, hub=args.hub, hub_token=token,
+            python_target=wheelsets.Target(
+                python=args.python, platform=args.python_platform, index_url=args.index_url,
+                extra_index_urls=tuple(args.extra_index_url),
+                exclude_newer=args.exclude_newer))
         if not (request.engines or request.models or request.wheels or request.nix_closure):
             raise BundleError("nothing to bundle: give --engine, --model, --wheels or "
                               "--nix-closure")

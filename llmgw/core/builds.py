@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from llmgw.core import engine_names
 from llmgw.core.names import NameRuleError, check_element
 
+# The CPython the nodes build Python engines' environments with (vLLM, SGLang), and the
+# one `llmgw bundle create` resolves their wheel sets for.
+ENVIRONMENT_PYTHON = "3.12"
+
 # CUDA line -> the oldest Linux driver NVIDIA names for it.
 CUDA_DRIVER_FLOORS: dict[str, str] = {
     "13.0": "580.65.06",

@@ -114,7 +114,8 @@ def test_refusals_exit_2_with_one_line_and_leave_the_mirror_as_it_was(
     assert nokey.stderr.startswith("llmgw bundle verify: no key is trusted: list the bundle "
                                    "signer's public key in server.yaml's bundle.trusted_keys")
 
-    python_engine = llmgw("create", tmp_path / "x", "--key", parts.key, "--engine", "vllm")
-    assert python_engine.returncode == 2
-    assert "bundles carry llama.cpp's archives only" in python_engine.stderr
+    not_carried = llmgw("create", tmp_path / "x", "--key", parts.key, "--engine",
+                        "comfyui@0.3.0")
+    assert not_carried.returncode == 2
+    assert "bundles do not carry comfyui yet" in not_carried.stderr
     assert not (tmp_path / "x").exists()

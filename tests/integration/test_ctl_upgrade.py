@@ -22,7 +22,7 @@ import pytest
 import llmgw
 from llmgw.bundle import signing
 from llmgw.bundle.mirror import import_bundle
-from tests.integration.cluster import wait_for
+from tests.integration.cluster import free_port, wait_for
 from tests.integration.load import ChatLoad
 from tests.integration.test_ctl import ctl, run
 from tests.integration.wheels import release_wheels
@@ -68,12 +68,14 @@ def test_ctl_upgrade_rolls_three_agents_forward_under_load_with_engines_adopted(
                                     "replicas": 3}],
                            bundle={"trusted_keys": [key_line], "mirror_dir": str(mirror)})
     cluster.start_server()
-    agents = [cluster.add_agent(f"up-{n}") for n in (1, 2, 3)]
+    # One port per node: a replica on each, so each node's upgrade has an engine to adopt.
+    agents = [cluster.add_agent(f"up-{n}", port_range=[port, port])
+              for n, port in ((n, free_port()) for n in (1, 2, 3))]
     cluster.wait_ready(MODEL, count=3, timeout_s=60)
     old = llmgw.__version__
     assert _versions(cluster) == {a.node_id: old for a in agents}
     engines = {a.node_id: a.engine_pids() for a in agents}
-    assert sum(len(pids) for pids in engines.values()) == 3
+    assert [len(pids) for pids in engines.values()] == [1, 1, 1]
     agent_pids = {a.node_id: a.proc.pid for a in agents}
 
     plan = ctl(cluster, "upgrade", "--dry-run", "--json").json()["plan"]
@@ -105,7 +107,8 @@ def test_ctl_upgrade_rolls_three_agents_forward_under_load_with_engines_adopted(
     assert rolled.code == 0, rolled.out + rolled.err
     assert f"upgraded 3 node(s) to llmgw {NEW}: up-1, up-2, up-3" in rolled.out
     for agent in agents:
-        assert f"{agent.node_id}: done: llmgw {NEW} runs; " in rolled.out
+        assert f"{agent.node_id}: done: llmgw {NEW} runs; 1 replica(s) adopted and ready" \
+            in rolled.out
 
     assert load.failures() == []
     assert len(load.done) > 20

@@ -1,7 +1,7 @@
 """uv environments from a local index: two tiny real wheels built by ``uv build``, served
-PyPI-shaped (PEP 691 JSON with real sha256 and upload times) from 127.0.0.1 by an aiohttp
-server the test starts. uv reads no configuration, uses only this index and keeps its cache
-in the test's directory, so nothing here leaves the machine."""
+PyPI-shaped from 127.0.0.1 by an aiohttp server the test starts (tests/pyindex.py). uv
+reads no configuration, uses only this index and keeps its cache in the test's directory,
+so nothing here leaves the machine."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from aiohttp import web
-from uv import find_uv_bin
 
 from llmgw.agent.install.archives import MARKER
 from llmgw.agent.install.pyenv import (
@@ -25,28 +23,10 @@ from llmgw.agent.install.pyenv import (
     installed_environment,
 )
 from llmgw.agent.install.pypi import InstallError
+from tests.pyindex import Index, build_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
-UPLOADED = "2025-03-01T12:00:00Z"
 A_DAY_LATER = "2025-03-02T12:00:00Z"
-
-
-def build_wheel(work: Path, name: str, version: str, body: str, deps=()) -> Path:
-    src = work / "src" / f"{name}-{version}-{abs(hash(body))}"
-    module = name.replace("-", "_")
-    (src / module).mkdir(parents=True)
-    (src / module / "__init__.py").write_text(body)
-    (src / "pyproject.toml").write_text(
-        f'[project]\nname = "{name}"\nversion = "{version}"\ndependencies = {list(deps)!r}\n'
-        f'[project.scripts]\n{name} = "{module}:main"\n'
-        '[build-system]\nrequires = ["uv_build"]\nbuild-backend = "uv_build"\n'
-        '[tool.uv.build-backend]\nmodule-root = ""\n'.replace("'", '"'))
-    out = work / "dist" / src.name
-    subprocess.run([find_uv_bin(), "build", "--wheel", "--no-config", "--offline", "-q",
-                    "-o", str(out), str(src)], check=True, timeout=60,
-                   env={**os.environ, "UV_CACHE_DIR": str(work / "build-cache")})
-    (wheel,) = out.glob("*.whl")
-    return wheel
 
 
 @pytest.fixture(scope="module")
@@ -61,51 +41,6 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
         "tiny-b-evil": build_wheel(work, "tiny-b", "0.2.0",
                                    "VALUE = 666\n\ndef main(): pass\n"),
     }
-
-
-class Index:
-    """A PEP 691 "simple" index over the wheels it is given, counting every request."""
-
-    def __init__(self, files: dict[str, Path]) -> None:
-        self.files = {p.name: (project, p.read_bytes()) for project, p in files.items()}
-        self.requests: list[str] = []
-        self.url = ""
-
-    def serve_instead(self, filename: str, wheel: Path) -> None:
-        project, _ = self.files[filename]
-        self.files[filename] = (project, wheel.read_bytes())
-
-    async def project(self, request: web.Request) -> web.Response:
-        self.requests.append(request.path)
-        name = request.match_info["project"]
-        files = [{"filename": f, "url": f"/files/{f}", "upload-time": UPLOADED,
-                  "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}
-                 for f, (project, data) in sorted(self.files.items()) if project == name]
-        if not files:
-            raise web.HTTPNotFound()
-        body = {"meta": {"api-version": "1.1"}, "name": name, "files": files}
-        return web.Response(text=json.dumps(body),
-                            content_type="application/vnd.pypi.simple.v1+json")
-
-    async def file(self, request: web.Request) -> web.Response:
-        self.requests.append(request.path)
-        _, data = self.files[request.match_info["filename"]]
-        return web.Response(body=data, content_type="application/octet-stream")
-
-    async def __aenter__(self) -> Index:
-        app = web.Application()
-        app.router.add_get("/simple/{project}/", self.project)
-        app.router.add_get("/files/{filename}", self.file)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/simple"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.runner.cleanup()
 
 
 def requirements(wheels: dict[str, Path]) -> str:
@@ -259,6 +194,7 @@ import asyncio, sys
 from pathlib import Path
 from llmgw.agent.install.pyenv import build_environment
 from llmgw.agent.install.pypi import InstallError
+from tests.pyindex import Index, build_wheel
 
 try:
     asyncio.run(build_environment(

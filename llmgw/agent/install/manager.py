@@ -43,7 +43,13 @@ from llmgw.agent.install.pypi import InstallError
 from llmgw.config import AgentConfig
 from llmgw.core import engine_names
 from llmgw.core.backoff import INSTALL_RETRY, Retry, RetryPolicy, after_failure
-from llmgw.core.builds import Build, NodeFacts, Refusal, candidate_builds
+from llmgw.core.builds import (
+    ENVIRONMENT_PYTHON,
+    Build,
+    NodeFacts,
+    Refusal,
+    candidate_builds,
+)
 from llmgw.core.digests import parse_digests
 from llmgw.tracing import OFF, Tracing, end
 
@@ -53,7 +59,6 @@ RECHECK_S = 600.0
 _DIGESTS_MAX_BYTES = 4 * 2**20
 _CHECK_TIMEOUT_S = 60.0
 _WANTED_FILE = "wanted.json"
-ENVIRONMENT_PYTHON = "3.12"
 
 SetBinary = Callable[[str, str | None], None]
 

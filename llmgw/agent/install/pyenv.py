@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import platform
 import re
 import secrets
@@ -42,6 +41,8 @@ from llmgw.agent.install.archives import (
 from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
+from llmgw.core.wheels import MAX_WHEEL_BYTES
+from llmgw.uvenv import uv_env
 
 REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
 RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
@@ -49,7 +50,6 @@ BUNDLED = "the control plane's bundle"  # the marker's index_url for a bundle's 
 # A bundle's wheel set: its requirements (--require-hashes lines), beside its wheels.
 BUNDLE_REQUIREMENTS = "requirements.txt"
 _WHEELS_PREFIX = ".wheels@"
-MAX_WHEEL_BYTES = 16 * 2**30  # torch's CUDA wheels are a few GB; the sha256 pins each
 _SCRATCH_PREFIX = ".pyenv@"  # '@' is in no valid name, so a sweep finds only its own
 VENV_TIMEOUT_S = 300.0
 INSTALL_TIMEOUT_S = 3600.0  # vLLM is several GB of wheels
@@ -170,15 +170,6 @@ def check_source_requirements(text: str, what: str) -> list[str]:
 
 
 # --- building ----------------------------------------------------------------------------
-
-
-def uv_env(cache: Path) -> dict[str, str]:
-    """The agent's environment without anything that would steer uv or pip elsewhere."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("UV_", "PIP_")) and k not in (
-               "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "PYTHONHOME")}
-    return {**env, "UV_CACHE_DIR": str(cache), "UV_NO_CONFIG": "1", "NO_COLOR": "1",
-            "UV_NO_PROGRESS": "1"}
 
 
 def _hash_mismatch(lines: Sequence[str]) -> str | None:

@@ -15,10 +15,8 @@ import sys
 from collections.abc import Iterable
 
 from llmgw.agent.install.pypi import InstallError
+from llmgw.core.wheels import WHEEL
 
-# A wheel's file name: name-version(-build)?-python-abi-platform.whl (PEP 427).
-WHEEL = re.compile(r"(?P<name>[^-/]+)-(?P<version>[^-/]+)(?:-[0-9][^-/]*)?"
-                   r"-(?P<python>[^-/]+)-(?P<abi>[^-/]+)-(?P<platform>[^-/]+)\.whl")
 _PYTHON = re.compile(r"(?:python)?(\d+)\.(\d+)")
 
 
