@@ -20,9 +20,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from llmgw import wire
+from llmgw.agent.control_plane import ControlPlane
 from llmgw.agent.install.archives import MARKER
+from llmgw.agent.install.manager import EngineInstaller
 from llmgw.agent.install.pyenv import BUNDLE_REQUIREMENTS, BUNDLED, build_from_bundle
 from llmgw.agent.install.pypi import InstallError
+from llmgw.config import AgentConfig
+from tests.integration.test_comfyui_install import FAKE_TORCH, L4_NODE, until
 from tests.integration.test_pyenv import build_wheel, requirements
 
 
@@ -42,10 +47,11 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
 
 
 class Mirror:
-    """Files at /files/<name>, as the control plane's mirror serves a bundle's."""
+    """Files at <prefix>/<name>, as the control plane's mirror serves a bundle's."""
 
-    def __init__(self, files: dict[str, bytes]) -> None:
+    def __init__(self, files: dict[str, bytes], prefix: str = "/files") -> None:
         self.files = files
+        self.prefix = prefix
         self.requests: list[str] = []
 
     async def file(self, request: web.Request) -> web.Response:
@@ -57,13 +63,14 @@ class Mirror:
 
     async def __aenter__(self) -> Mirror:
         app = web.Application()
-        app.router.add_get("/files/{name}", self.file)
+        app.router.add_get(self.prefix + "/{name}", self.file)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/files"
+        self.base = f"http://127.0.0.1:{port}"
+        self.url = self.base + self.prefix
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -127,3 +134,40 @@ async def test_a_bundle_without_a_wheel_for_this_node_or_its_requirements_says_s
             await _build(tmp_path / "engines", mirror, {"tiny_b-0.2.0-py3-none-any.whl":
                                                         "2" * 64})
         assert mirror.requests == []
+
+
+async def test_a_gpu_node_installs_vllm_from_the_control_planes_bundle_and_reports_it(
+        tmp_path, tmp_path_factory):
+    """The node's side whole: the control plane's InstallEngines for a vLLM the bundle
+    holds (every file pinned, on the mirror), the build this GPU node picks, the wheels
+    fetched from the server it dialled, the import check run, the engine reported."""
+    work = tmp_path_factory.mktemp("vllm-wheels")
+    wheels = {
+        "vllm": build_wheel(work, "vllm", "0.11.0", "import torch\n\ndef main(): pass\n",
+                            deps=["torch==2.9.0"]),
+        "torch": build_wheel(work, "torch", "2.9.0", FAKE_TORCH),
+    }
+    files = {p.name: p.read_bytes() for p in wheels.values()}
+    files[BUNDLE_REQUIREMENTS] = "".join(
+        f"{name}=={version} \\\n    --hash=sha256:{_sha256(files[p.name])}\n"
+        for name, version, p in (("torch", "2.9.0", wheels["torch"]),
+                                 ("vllm", "0.11.0", wheels["vllm"]))).encode()
+    pins = {name: _sha256(data) for name, data in files.items()}
+    config = AgentConfig(servers=["http://127.0.0.1:9"], state_dir=str(tmp_path / "agent"),
+                         install_os_packages=False)
+    changed = asyncio.Event()
+    installer = EngineInstaller(config, set_binary=lambda *_: None, changed=changed.set,
+                                facts=lambda: L4_NODE, python=sys.executable)
+    async with Mirror(files, prefix="/mirror/files/engines/vllm/0.11.0") as mirror, installer:
+        installer.control_plane = ControlPlane(mirror.base)
+        installer.want(wire.InstallEngines(engines=[wire.EngineWanted(
+            name="vllm", version="0.11.0", release_url=wire.MIRROR_ENGINES_URL + "/vllm",
+            sha256=pins)]))
+        done = await until(changed, lambda: next(
+            (e for e in installer.reported() if e.name == "vllm"
+             and e.state in ("installed", "failed")), None), 90, "vllm to be installed")
+    assert done.state == "installed", done.detail
+    assert sorted(mirror.requests) == sorted(f"{mirror.prefix}/{name}" for name in files)
+    [path] = (tmp_path / "agent" / "engines" / "vllm").iterdir()
+    assert path.name.startswith("0.11.0")
+    assert json.loads((path / MARKER).read_text())["index_url"] == BUNDLED
