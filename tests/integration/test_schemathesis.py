@@ -107,6 +107,7 @@ def test_every_route_is_in_the_document():
     # These read no body: who is asking, and the path, say it all.
     assert without_body == {("post", "/api/auth/logout"), ("post", "/api/nodes/{node_id}/drain"),
                             ("post", "/api/nodes/{node_id}/undrain"),
+                            ("post", "/api/nodes/{node_id}/upgrade"),
                             ("post", "/api/nodes/{name}/revoke")}
     guarded = {(method, path) for path, item in DOCUMENT["paths"].items()
                for method, operation in item.items() if operation.get("security")}

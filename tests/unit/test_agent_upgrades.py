@@ -80,10 +80,17 @@ def _status(upgrades: AgentUpgrades, sent: Sent, state: str, detail: str = "",
                       now)
 
 
+def _begin(upgrades: AgentUpgrades, node: str, register: wire.Register,
+           now: float) -> UpgradeView:
+    """begin(), with what the node serves as its Register lists it."""
+    return upgrades.begin(node, NEW, WHEELS, register.agent_version,
+                          [(s.replica, s.rank) for s in register.running], now, TIMEOUT_S)
+
+
 def _begun(register: wire.Register | None = None) -> tuple[AgentUpgrades, Sent, UpgradeView]:
     sent = Sent()
     upgrades = AgentUpgrades(sent)
-    view = upgrades.begin("gpu-1", NEW, WHEELS, register or _register(), T0, TIMEOUT_S)
+    view = _begin(upgrades, "gpu-1", register or _register(), T0)
     return upgrades, sent, view
 
 
@@ -119,7 +126,7 @@ def test_begin_sends_the_agent_one_upgrade_with_the_wheels_and_version() -> None
 def test_each_upgrade_has_its_own_request_id() -> None:
     upgrades, sent, _ = _begun()
     _status(upgrades, sent, wire.UPGRADE_FAILED, "no room")
-    upgrades.begin("gpu-1", NEW, WHEELS, _register(), T0 + 100, TIMEOUT_S)
+    _begin(upgrades, "gpu-1", _register(), T0 + 100)
     first, second = (m.request for _, m in sent.messages)
     assert first != second
 
@@ -129,7 +136,7 @@ def test_a_second_node_waits_while_one_upgrades() -> None:
     _status(upgrades, sent, wire.UPGRADE_WORKING, "downloading 2 wheels (2.9 MB)")
 
     with pytest.raises(UpgradeBusy) as refused:
-        upgrades.begin("gpu-2", NEW, WHEELS, _register("gpu-2"), T0 + 20, TIMEOUT_S)
+        _begin(upgrades, "gpu-2", _register("gpu-2"), T0 + 20)
 
     assert str(refused.value) == (
         "node gpu-1 is upgrading to llmgw 0.6.0 (working: downloading 2 wheels (2.9 MB)); "
@@ -144,7 +151,7 @@ def test_the_next_node_may_begin_once_one_has_finished() -> None:
     assert view.state == FAILED
     assert upgrades.under_way() is None
 
-    second = upgrades.begin("gpu-2", NEW, WHEELS, _register("gpu-2"), T0 + 20, TIMEOUT_S)
+    second = _begin(upgrades, "gpu-2", _register("gpu-2"), T0 + 20)
 
     assert second.state == SENT
     assert [node for node, _ in sent.messages] == ["gpu-1", "gpu-2"]
@@ -155,7 +162,7 @@ def test_begin_to_a_node_that_just_disconnected_fails_at_once() -> None:
     sent = Sent(connected=False)
     upgrades = AgentUpgrades(sent)
 
-    view = upgrades.begin("gpu-1", NEW, WHEELS, _register(), T0, TIMEOUT_S)
+    view = _begin(upgrades, "gpu-1", _register(), T0)
 
     assert (view.state, view.finished_at) == (FAILED, T0)
     assert view.detail == "node gpu-1 disconnected just now; try again once it is back"

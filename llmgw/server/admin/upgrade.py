@@ -21,6 +21,7 @@ from litestar.params import FromPath, Parameter
 from llmgw import wire
 from llmgw.bundle import nix as nixcache
 from llmgw.config import ServerConfig
+from llmgw.core.replicas import ReplicaState
 from llmgw.core.versions import newer
 from llmgw.server.admin.common import ADMIN
 from llmgw.server.agents.sessions import NodeSession
@@ -170,9 +171,14 @@ async def upgrade_node(request: Request, node_id: FromPath[str],
             words += ": " + "; ".join(plan.steps)
         raise ApiError(409 if held is not None else 400, words if held else detail,
                        code=f"upgrade_{plan.action}")
+    # What it serves now (its Register lists only what ran when it connected).
+    serving = [(replica.id, shard.rank) for replica in controller.replicas.values()
+               if replica.state is ReplicaState.READY
+               for shard in replica.shards if shard.node_id == node_id]
     try:
-        return controller.upgrades.begin(node_id, held.llmgw.version, held.upgrade_wheels(),
-                                         session.register, time.time(), timeout_s)
+        return controller.upgrades.begin(
+            node_id, held.llmgw.version, held.upgrade_wheels(),
+            session.register.agent_version, serving, time.time(), timeout_s)
     except UpgradeBusy as err:
         raise ApiError(409, str(err), code="upgrade_busy") from None
 

@@ -16,7 +16,7 @@ node's version in ``GET /api/nodes`` says where it stands.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -72,17 +72,19 @@ class AgentUpgrades:
                      if u.view.state not in FINISHED), None)
 
     def begin(self, node: str, message_version: str, wheels: list[wire.UpgradeWheel],
-              register: wire.Register, now: float, timeout_s: float) -> UpgradeView:
-        """Send the node its UpgradeAgent; UpgradeBusy when another node is upgrading."""
+              from_version: str, shards: Iterable[tuple[str, int]], now: float,
+              timeout_s: float) -> UpgradeView:
+        """Send the node its UpgradeAgent; UpgradeBusy when another node is upgrading.
+        ``shards``: (replica, rank) of what the node serves now, each to be adopted."""
         busy = self.under_way()
         if busy is not None:
             raise UpgradeBusy(f"node {busy.node} is upgrading to llmgw {busy.version} "
                               f"({busy.state}: {busy.detail}); one node at a time: wait for "
                               "it (llmgw ctl upgrade waits)")
         request = secrets.token_hex(8)
-        shards = frozenset((s.replica, s.rank) for s in register.running)
+        shards = frozenset(shards)
         view = UpgradeView(node=node, version=message_version,
-                           from_version=register.agent_version or "unknown", state=SENT,
+                           from_version=from_version or "unknown", state=SENT,
                            detail="asked the agent to upgrade", started_at=now,
                            replicas=sorted({replica for replica, _ in shards}))
         self._by_node[node] = _Upgrade(view, request, timeout_s, shards)
