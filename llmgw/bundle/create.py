@@ -68,6 +68,11 @@ class Request:
     engines: list[EngineWant] = field(default_factory=list)
     models: list[ModelWant] = field(default_factory=list)
     wheels: Path | None = None
+    # llmgw's wheels from its source checkout instead: uv.lock's pins, resolved for each
+    # of llmgw_targets from the index, and llmgw's own wheel (built there when not given).
+    llmgw_lock: Path | None = None
+    llmgw_wheel: Path | None = None
+    llmgw_targets: list[wheelsets.Target] = field(default_factory=list)
     # llmgw's Nix closure instead of wheels: these store paths (or links to them, such as
     # `nix build`'s result) and everything they reference, copied with this nix command.
     nix_closure: list[str] = field(default_factory=list)
@@ -209,10 +214,29 @@ class _Builder:
         sizes = [c.wheel.size for c in chosen if c.wheel.size is not None]
         self.say(f"resolved {len(chosen)} packages" + (
             f", {sum(sizes):,} bytes of wheels" if len(sizes) == len(chosen) else ""))
+        paths = await self._fetch_wheels(
+            chosen, lambda file: mf.engine_path(want.name, want.version, file))
+        text = wheelsets.requirements_text(chosen).encode()
+        dest = self.dest(requirements)
+        dest.write_bytes(text)
+        self.add(requirements, len(text), hashlib.sha256(text).hexdigest())
+        total = sum(self.files[p].size for p in paths)
+        self.say(f"{want.name} {want.version}: {len(paths)} wheels, {total:,} bytes")
+        built = mf.EngineBuild(name=want.name, version=want.version,
+                               files=[*paths, requirements])
+        self.python_engines[want.name, want.version] = built
+        return built
+
+    async def _fetch_wheels(self, chosen: list[wheelsets.Chosen],
+                            path_of: Callable[[str], str]) -> list[str]:
+        """Each chosen wheel at ``path_of(its file)``, checked against the sha256 (and
+        size) the index lists; one already in the bundle is not fetched again."""
         paths = []
         for c in chosen:
-            path = mf.engine_path(want.name, want.version, c.wheel.file)
+            path = path_of(c.wheel.file)
             paths.append(path)
+            if path in self.files:
+                continue
             url, size = c.wheel.url, c.wheel.size
             self.say(f"downloading {c.wheel.file}"
                      + (f" ({size:,} bytes)" if size is not None else ""))
@@ -226,16 +250,49 @@ class _Builder:
                 raise BundleError(f"{c.wheel.file} from {shown(url)} is {got_size} bytes; "
                                   f"the index lists {size}")
             self.add(path, got_size, got)
-        text = wheelsets.requirements_text(chosen).encode()
-        dest = self.dest(requirements)
-        dest.write_bytes(text)
-        self.add(requirements, len(text), hashlib.sha256(text).hexdigest())
-        total = sum(self.files[p].size for p in paths)
-        self.say(f"{want.name} {want.version}: {len(paths)} wheels, {total:,} bytes")
-        built = mf.EngineBuild(name=want.name, version=want.version,
-                               files=[*paths, requirements])
-        self.python_engines[want.name, want.version] = built
-        return built
+        return paths
+
+    async def locked_wheels(self, project: Path, wheel: Path | None, version: str,
+                            targets: list[wheelsets.Target]) -> mf.LlmgwRelease:
+        """llmgw's own wheel and, for each target, its dependencies at the versions
+        ``project``'s uv.lock pins, one wheel each, under llmgw/<version>/."""
+        pins = await wheelsets.locked_requirements(project)
+        with tempfile.TemporaryDirectory(prefix="llmgw-wheel-") as built:
+            if wheel is None:
+                self.say(f"building llmgw's wheel from {project}")
+                wheel = await wheelsets.build_project_wheel(project, Path(built))
+            if not (wheel.name.startswith(f"llmgw-{version}-")
+                    and wheel.name.endswith(".whl")):
+                raise BundleError(f"--llmgw-wheel {wheel} is not a wheel of llmgw {version}: "
+                                  "give --llmgw-version, or build the checkout of that "
+                                  "release")
+            paths = [self._copy_in(wheel, mf.llmgw_path(version, wheel.name))]
+        for target in targets:
+            self.say(f"resolving llmgw {version}'s locked dependencies for {target.shown} "
+                     f"from {shown(target.index_url)}")
+            chosen = await wheelsets.resolve_text(
+                pins, f"llmgw {version}'s dependencies (uv.lock)", target)
+            for path in await self._fetch_wheels(
+                    chosen, lambda file: mf.llmgw_path(version, file)):
+                if path not in paths:
+                    paths.append(path)
+        return mf.LlmgwRelease(version=version, kind="wheels", files=paths,
+                               platforms=[t.platform for t in targets])
+
+    def _copy_in(self, source: Path, path: str) -> str:
+        """A local file into the bundle at ``path``, hashed as it is copied."""
+        hasher = hashlib.sha256()
+        dest = self.dest(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(source, "rb") as src, open(dest, "xb") as out:
+                while chunk := src.read(2**20):
+                    hasher.update(chunk)
+                    out.write(chunk)
+        except OSError as err:
+            raise BundleError(f"{source}: {err.strerror}") from None
+        self.add(path, dest.stat().st_size, hasher.hexdigest())
+        return path
 
     async def model(self, want: ModelWant) -> mf.ModelFiles:
         commit = want.revision if re.fullmatch(r"[0-9a-f]{40}", want.revision) else \
@@ -285,18 +342,9 @@ class _Builder:
             if not entry.is_file():
                 raise BundleError(f"--wheels {folder}: {entry.name} is not a file; the "
                                   "folder holds wheels (and their lists) only")
-            path = mf.llmgw_path(version, entry.name)
             if entry.name.endswith(".whl"):
                 platforms.add(entry.name[:-4].split("-")[-1])
-            hasher = hashlib.sha256()
-            dest = self.dest(path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(entry, "rb") as src, open(dest, "xb") as out:
-                while chunk := src.read(2**20):
-                    hasher.update(chunk)
-                    out.write(chunk)
-            self.add(path, dest.stat().st_size, hasher.hexdigest())
-            paths.append(path)
+            paths.append(self._copy_in(entry, mf.llmgw_path(version, entry.name)))
         if not paths:
             raise BundleError(f"--wheels {folder} is empty")
         ours = [e.name for e in entries if e.name.startswith("llmgw-")]
@@ -336,9 +384,11 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
     if out.exists() or out.is_symlink():
         raise BundleError(f"{out} exists; give a new name for the bundle")
     version = mf.check_element(request.llmgw_version or __version__, "--llmgw-version")
-    if request.wheels and request.nix_closure:
-        raise BundleError("--wheels and --nix-closure: a bundle carries llmgw one way; "
-                          "make one bundle for each")
+    if request.llmgw_lock and not request.llmgw_targets:
+        raise BundleError("--llmgw-lock: name the nodes' platforms (--llmgw-platform)")
+    if sum(map(bool, (request.wheels, request.nix_closure, request.llmgw_lock))) > 1:
+        raise BundleError("--wheels, --llmgw-lock and --nix-closure: a bundle carries llmgw "
+                          "one way; make one bundle for each")
     now = (request.now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
     try:
         root = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -352,7 +402,11 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
                        if e.name in wheelsets.ENGINES else
                        await builder.engine(e, request.release_url) for e in request.engines]
             models = [await builder.model(m) for m in request.models]
-        llmgw = builder.wheels(request.wheels, version) if request.wheels else None
+            llmgw = await builder.locked_wheels(
+                request.llmgw_lock, request.llmgw_wheel, version,
+                request.llmgw_targets) if request.llmgw_lock else None
+        if request.wheels:
+            llmgw = builder.wheels(request.wheels, version)
         if request.nix_closure:
             llmgw = builder.nix_closure(request.nix, request.nix_closure, version, now)
         manifest = Manifest(

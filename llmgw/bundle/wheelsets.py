@@ -272,14 +272,19 @@ def compile_argv(target: Target) -> list[str]:
 
 async def resolve(name: str, version: str, target: Target) -> list[Chosen]:
     """``name==version`` and everything it needs, one wheel each, for ``target``."""
-    what = f"{name}=={version}"
+    return await resolve_text(f"{name}=={version}\n", f"{name}=={version}", target)
+
+
+async def resolve_text(requirements: str, what: str, target: Target) -> list[Chosen]:
+    """``requirements`` (a requirements.txt; ``what`` names it) and everything they need,
+    one wheel each, for ``target``."""
     with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
         proc = await asyncio.create_subprocess_exec(
             *compile_argv(target), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env=uv_env(Path(cache)))
         try:
-            out, err = await asyncio.wait_for(proc.communicate(f"{what}\n".encode()),
+            out, err = await asyncio.wait_for(proc.communicate(requirements.encode()),
                                               RESOLVE_TIMEOUT_S)
         except TimeoutError:
             proc.kill()
@@ -295,3 +300,45 @@ async def resolve(name: str, version: str, target: Target) -> list[Chosen]:
         raise BundleError(f"resolving {what} for {target.shown} failed: "
                           + " / ".join(line.strip() for line in lines[start:][:12]))
     return choose(read_pylock(out.decode()), target)
+
+
+async def _uv(argv: list[str], what: str, cache: Path) -> str:
+    """Run uv; its output, or BundleError with its report."""
+    proc = await asyncio.create_subprocess_exec(
+        find_uv_bin(), *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=uv_env(cache))
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), RESOLVE_TIMEOUT_S)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise BundleError(f"{what} took over {RESOLVE_TIMEOUT_S:.0f} s") from None
+    if proc.returncode != 0:
+        lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
+        raise BundleError(f"{what} failed: " + " / ".join(line.strip() for line in lines[-8:]))
+    return out.decode()
+
+
+async def locked_requirements(project: Path) -> str:
+    """What ``project``'s uv.lock pins llmgw's dependencies to at run time (no dev group,
+    not the project itself), as a requirements.txt: ``uv export --frozen``."""
+    if not (project / "uv.lock").is_file():
+        raise BundleError(f"--llmgw-lock {project}: no uv.lock there; give llmgw's source "
+                          "checkout (the folder with pyproject.toml and uv.lock)")
+    with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
+        return await _uv(["export", "--frozen", "--no-dev", "--no-emit-project", "--no-hashes",
+                          "--no-header", "--no-annotate", "--no-config", "--format",
+                          "requirements.txt", "--project", str(project)],
+                         f"reading {project}/uv.lock (uv export)", Path(cache))
+
+
+async def build_project_wheel(project: Path, out: Path) -> Path:
+    """``project``'s own wheel (``uv build --wheel``; its build backend comes from the
+    index uv is configured with, on the connected machine)."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
+        await _uv(["build", "--wheel", "--no-config", "--out-dir", str(out), str(project)],
+                  f"building llmgw's wheel from {project} (uv build)", Path(cache))
+    built = sorted(out.glob("*.whl"))
+    if len(built) != 1:
+        raise BundleError(f"uv build of {project} made {len(built)} wheels, not one")
+    return built[0]

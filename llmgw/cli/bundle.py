@@ -87,6 +87,19 @@ def add_parser(sub) -> None:
                    help="a token for gated or private models (sent to --hub only)")
     c.add_argument("--wheels", type=Path, metavar="DIR",
                    help="a folder of llmgw's wheels (and its dependencies'), taken as they are")
+    c.add_argument("--llmgw-lock", type=Path, metavar="DIR",
+                   help="llmgw's wheels from its source checkout DIR: its dependencies at "
+                   "the versions its uv.lock pins, one wheel each for every "
+                   "--llmgw-platform, from --index-url, and llmgw's own wheel")
+    c.add_argument("--llmgw-wheel", type=Path, metavar="FILE",
+                   help="with --llmgw-lock: llmgw's own wheel (default: built from DIR "
+                   "with uv build)")
+    c.add_argument("--llmgw-python", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+                   metavar="X.Y", help="with --llmgw-lock: the CPython the nodes run llmgw "
+                   f"on (default {sys.version_info[0]}.{sys.version_info[1]}, this one)")
+    c.add_argument("--llmgw-platform", action="append", default=[], metavar="PLATFORM",
+                   help="with --llmgw-lock: a platform of the nodes, ARCH-manylinux_2_NN "
+                   f"(default {wheelsets.DEFAULT_PLATFORM}); repeatable")
     c.add_argument("--nix-closure", action="append", default=[], metavar="STOREPATH",
                    help="llmgw's Nix closure instead of wheels: a store path or a link to "
                    "one (./result, a NixOS system built with `nix build`) and all it "
@@ -186,6 +199,11 @@ def _create(args: argparse.Namespace) -> int:
             out=args.out, key_file=args.key, tar=args.tar,
             engines=[create.parse_engine(e, arches, tuple(args.build)) for e in args.engine],
             models=[create.parse_model(m) for m in args.model], wheels=args.wheels,
+            llmgw_lock=args.llmgw_lock, llmgw_wheel=args.llmgw_wheel,
+            llmgw_targets=[wheelsets.Target(
+                python=args.llmgw_python, platform=platform, index_url=args.index_url,
+                extra_index_urls=tuple(args.extra_index_url))
+                for platform in args.llmgw_platform or [wheelsets.DEFAULT_PLATFORM]],
             nix_closure=args.nix_closure, nix=nix.parse_command(args.nix),
             llmgw_version=args.llmgw_version,
             expires_in=create.parse_duration(args.expires_in),
@@ -194,9 +212,10 @@ def _create(args: argparse.Namespace) -> int:
                 python=args.python, platform=args.python_platform, index_url=args.index_url,
                 extra_index_urls=tuple(args.extra_index_url),
                 exclude_newer=args.exclude_newer))
-        if not (request.engines or request.models or request.wheels or request.nix_closure):
-            raise BundleError("nothing to bundle: give --engine, --model, --wheels or "
-                              "--nix-closure")
+        if not (request.engines or request.models or request.wheels or request.nix_closure
+                or request.llmgw_lock):
+            raise BundleError("nothing to bundle: give --engine, --model, --wheels, "
+                              "--llmgw-lock or --nix-closure")
         made = asyncio.run(create.create_bundle(request, say))
     except BundleError as err:
         return _fail("create", err)

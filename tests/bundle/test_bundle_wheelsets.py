@@ -257,3 +257,21 @@ def test_versions_are_read_and_comfyui_is_not_bundled_yet():
         create.parse_engine("sglang", ("x86_64",), ())
     with pytest.raises(BundleError, match="bundles do not carry comfyui yet"):
         create.parse_engine("comfyui@0.3.0", ("x86_64",), ())
+
+
+def test_llmgw_lock_refusals_name_what_is_wrong_and_leave_nothing(key, tmp_path, wheels):
+    checkout = Path(__file__).resolve().parents[2]
+
+    def refused(*args: str) -> str:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            code = llmgw(["bundle", "create", str(tmp_path / "out"), "--key", str(key[0]),
+                          "--llmgw-version", "0.9.0", *args])
+        assert code == 2 and not (tmp_path / "out").exists()
+        return err.getvalue()
+
+    assert "no uv.lock there; give llmgw's source checkout" in refused(
+        "--llmgw-lock", str(tmp_path))
+    said = refused("--llmgw-lock", str(checkout), "--llmgw-wheel", str(wheels["vllm"]))
+    assert f"--llmgw-wheel {wheels['vllm']} is not a wheel of llmgw 0.9.0" in said
+    assert "a bundle carries llmgw one way" in refused(
+        "--llmgw-lock", str(checkout), "--wheels", str(tmp_path))

@@ -2,9 +2,11 @@
 a signed bundle holds, one node at a time, under a bounded load, and their engines keep
 serving (adopted: the same processes).
 
-Offline and real: the bundle is made with `llmgw bundle create --wheels` from wheels
-made in the test (this checkout's llmgw at a later version, and its dependencies repacked
-from this venv: tests/integration/wheels.py), imported into the server's mirror, and
+Offline and real: the bundle is made as `llmgw bundle create --llmgw-lock` makes it, from
+wheels made in the test (this checkout's llmgw at a later version, and its dependencies
+repacked from this venv: tests/integration/wheels.py) served by a package index on
+127.0.0.1 and resolved as this checkout's uv.lock pins them, imported into the server's
+mirror, and
 each agent downloads them from the server, installs them with uv (`--no-index
 --require-hashes`) into a new environment in its state directory, and execs into it.
 """
@@ -12,6 +14,8 @@ each agent downloads them from the server, installs them with uv (`--no-index
 from __future__ import annotations
 
 import os
+import platform
+import re
 import signal
 import sys
 from pathlib import Path
@@ -22,10 +26,12 @@ import pytest
 import llmgw
 from llmgw.bundle import signing
 from llmgw.bundle.mirror import import_bundle
+from tests.hub import hub_in_thread
 from tests.integration.cluster import free_port, wait_for
 from tests.integration.load import ChatLoad
 from tests.integration.test_ctl import ctl, run
-from tests.integration.wheels import release_wheels
+from tests.integration.wheels import ROOT, release_wheels
+from tests.pyindex import Index
 
 MODEL = "sim-upgrade"
 
@@ -40,14 +46,27 @@ NEW = _later(llmgw.__version__)
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> tuple[Path, str]:
-    """A signed bundle holding llmgw NEW's wheels and its dependencies', and the public
-    key line it is signed with."""
+    """A signed bundle holding llmgw NEW's wheel and its dependencies' as this checkout's
+    uv.lock pins them, resolved for this machine from a package index on 127.0.0.1 that
+    serves them (`bundle create --llmgw-lock`), and the public key line it is signed
+    with."""
     root = tmp_path_factory.mktemp("upgrade-bundle")
     wheels = release_wheels(root / "wheels", NEW)
+    [ours] = wheels.glob(f"llmgw-{NEW}-*.whl")
+    served = {re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower(): w
+              for w in wheels.glob("*.whl") if w != ours}
     line = signing.keygen(root / "bundle.key")
-    made = run("bundle", "create", str(root / "bundle"), "--key", str(root / "bundle.key"),
-               "--wheels", str(wheels), "--llmgw-version", NEW)
+    _, glibc = platform.libc_ver()
+    with hub_in_thread(served, Index) as index:
+        made = run("bundle", "create", str(root / "bundle"), "--key", str(root / "bundle.key"),
+                   "--llmgw-lock", str(ROOT), "--llmgw-wheel", str(ours),
+                   "--llmgw-version", NEW, "--index-url", index.url,
+                   "--llmgw-python", f"3.{sys.version_info.minor}", "--llmgw-platform",
+                   f"{platform.machine()}-manylinux_{glibc.replace('.', '_')}")
     assert made.code == 0, made.err
+    # Every dependency was fetched from the index, once.
+    assert sorted(r for r in index.requests if r.endswith(".whl")) == sorted(
+        f"/files/{w.name}" for w in served.values())
     return root / "bundle", line
 
 
