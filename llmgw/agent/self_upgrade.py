@@ -93,13 +93,15 @@ def _link(root: Path, name: str, target: Path) -> None:
 
 
 def switch(root: Path, target: Path) -> None:
-    """Make ``target`` current, the current one previous, and remove any older one."""
+    """Make ``target`` current, the current one previous, and remove any older one but
+    the one this process runs from (after a rollback, it may be neither)."""
     current = root / CURRENT
     before = current.resolve() if current.is_symlink() else None
     if before is not None and before != target.resolve() and before.is_dir():
         _link(root, PREVIOUS, before)
     _link(root, CURRENT, target)
     keep = {p.resolve() for p in (root / CURRENT, root / PREVIOUS) if p.is_symlink()}
+    keep.add(Path(sys.prefix).resolve())
     for installed in (root / VERSIONS).iterdir():
         if installed.resolve() not in keep:
             shutil.rmtree(installed, ignore_errors=True)

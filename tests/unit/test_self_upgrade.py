@@ -351,3 +351,17 @@ def test_python_of_reads_a_version_or_an_interpreter_named_by_it() -> None:
     assert python_of("3.12") == (3, 12)
     assert python_of("/usr/bin/python3.11") == (3, 11)
     assert python_of("/opt/venv/bin/python") is None
+
+
+def test_switch_never_removes_the_installation_this_process_runs_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Running from 0.5.0 after a rollback made another one current: upgrading twice more
+    # removes 0.6.0, never 0.5.0 (the running agent imports from it until it execs).
+    root = tmp_path / "llmgw"
+    running = _install(root, "0.5.0")
+    monkeypatch.setattr(sys, "prefix", str(running))
+    switch(root, _install(root, "0.6.0"))
+    switch(root, _install(root, "0.7.0"))
+    switch(root, _install(root, "0.8.0"))
+    assert _links(root) == {"current": "versions/0.8.0", "previous": "versions/0.7.0"}
+    assert _versions(root) == ["0.5.0", "0.7.0", "0.8.0"]
