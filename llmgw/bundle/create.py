@@ -386,9 +386,12 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
     version = mf.check_element(request.llmgw_version or __version__, "--llmgw-version")
     if request.llmgw_lock and not request.llmgw_targets:
         raise BundleError("--llmgw-lock: name the nodes' platforms (--llmgw-platform)")
-    if sum(map(bool, (request.wheels, request.nix_closure, request.llmgw_lock))) > 1:
-        raise BundleError("--wheels, --llmgw-lock and --nix-closure: a bundle carries llmgw "
-                          "one way; make one bundle for each")
+    given = [option for option, value in (("--wheels", request.wheels),
+                                          ("--llmgw-lock", request.llmgw_lock),
+                                          ("--nix-closure", request.nix_closure)) if value]
+    if len(given) > 1:
+        raise BundleError(f"{' and '.join(given)}: a bundle carries llmgw one way; make one "
+                          "bundle for each")
     now = (request.now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
     try:
         root = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
