@@ -20,7 +20,12 @@ import pytest
 import yaml
 
 from llmgw.config import HTTP_SERVERS, Listen
-from llmgw.server.listen import ListenError, check_matches, inherited_listener
+from llmgw.server.listen import (
+    ListenError,
+    check_matches,
+    inherited_listener,
+    listening_socket,
+)
 from tests.integration.activation import listener, start_activated
 from tests.integration.cluster import _stop_group, free_port, wait_for
 
@@ -88,6 +93,10 @@ def test_restart_on_the_passed_socket_refuses_no_connection(tmp_path, http_serve
         first = start_activated(sock, config, logs[0])
         wait_for(lambda: f"socket passed by systemd) ({http_server})" in logs[0].read_text(),
                  60, f"the first server to serve on the passed socket, on {http_server}")
+        # The server set it on the socket systemd (this test) holds: granian closes, as it
+        # stops, a connection that has sent nothing yet (listen.DEFER_ACCEPT_S).
+        deferred = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT)
+        assert (deferred > 0) is (http_server == "granian")
         thread.start()
         wait_for(lambda: client.answered_after(0) >= 10, 30, "10 answers from the first server")
 
@@ -216,3 +225,15 @@ def test_listen_must_describe_the_socket():
             check_matches(sock, Listen(host="127.0.0.1", port=port % 65535 + 1))
     finally:
         sock.close()
+
+
+
+@pytest.mark.parametrize(("http_server", "deferred"), [("granian", True), ("uvicorn", False)])
+def test_granian_s_own_socket_hands_over_a_connection_once_its_request_has_begun(
+        http_server, deferred):
+    """TCP_DEFER_ACCEPT on the socket llmgw binds for granian (on a passed one, the restart
+    test above checks it): a connection that has sent nothing stays in the kernel's queue,
+    where a stopping server cannot close it unanswered."""
+    sock, _ = listening_socket(Listen(host="127.0.0.1", port=free_port(), server=http_server))
+    with sock:
+        assert (sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT) > 0) is deferred
