@@ -19,7 +19,6 @@ folder removed afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 import sys
@@ -30,13 +29,11 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from uv import find_uv_bin
-
 from llmgw.bundle.manifest import BundleError
 from llmgw.core.builds import ENVIRONMENT_PYTHON
 from llmgw.core.desired_engines import PYPI
 from llmgw.core.wheels import WHEEL
-from llmgw.uvenv import uv_env
+from llmgw.uvenv import UvFailed, run_uv
 
 ENGINES = ("vllm", "sglang")
 DEFAULT_PYTHON = ENVIRONMENT_PYTHON  # as the nodes build them
@@ -257,9 +254,9 @@ def requirements_text(chosen: list[Chosen]) -> str:
 # --- resolving ----------------------------------------------------------------------------
 
 
-def compile_argv(target: Target) -> list[str]:
+def compile_args(target: Target) -> list[str]:
     """``uv pip compile`` of the requirements on stdin into a pylock.toml for ``target``."""
-    argv = [find_uv_bin(), "pip", "compile", "-", "--no-config", "--no-python-downloads",
+    argv = ["pip", "compile", "-", "--no-config", "--no-python-downloads",
             "--python", sys.executable, "--generate-hashes", "--format", "pylock.toml",
             "--python-version", target.python, "--python-platform", target.platform,
             "--index-url", target.index_url]
@@ -279,44 +276,24 @@ async def resolve_text(requirements: str, what: str, target: Target) -> list[Cho
     """``requirements`` (a requirements.txt; ``what`` names it) and everything they need,
     one wheel each, for ``target``."""
     with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
-        proc = await asyncio.create_subprocess_exec(
-            *compile_argv(target), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=uv_env(Path(cache)))
         try:
-            out, err = await asyncio.wait_for(proc.communicate(requirements.encode()),
-                                              RESOLVE_TIMEOUT_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise BundleError(f"resolving {what} took over {RESOLVE_TIMEOUT_S:.0f} s; is "
-                              f"{target.index_url} reachable?") from None
-    if proc.returncode != 0:
-        lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
-        # uv's report starts at "error:" (or a cross, U+00D7, on a resolution); before it
-        # is progress.
-        start = next((i for i, line in enumerate(lines)
-                      if line.startswith(("error:", "\u00d7"))), max(0, len(lines) - 8))
-        raise BundleError(f"resolving {what} for {target.shown} failed: "
-                          + " / ".join(line.strip() for line in lines[start:][:12]))
-    return choose(read_pylock(out.decode()), target)
+            out = await run_uv(compile_args(target), cache=Path(cache),
+                               timeout_s=RESOLVE_TIMEOUT_S, stdin=requirements)
+        except UvFailed as err:
+            if err.timed_out:
+                raise BundleError(f"resolving {what} took over {RESOLVE_TIMEOUT_S:.0f} s; "
+                                  f"is {target.index_url} reachable?") from None
+            raise BundleError(f"resolving {what} for {target.shown} failed: {err}") from None
+    return choose(read_pylock(out), target)
 
 
-async def _uv(argv: list[str], what: str, cache: Path) -> str:
-    """Run uv; its output, or BundleError with its report."""
-    proc = await asyncio.create_subprocess_exec(
-        find_uv_bin(), *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=uv_env(cache))
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), RESOLVE_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise BundleError(f"{what} took over {RESOLVE_TIMEOUT_S:.0f} s") from None
-    if proc.returncode != 0:
-        lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
-        raise BundleError(f"{what} failed: " + " / ".join(line.strip() for line in lines[-8:]))
-    return out.decode()
+async def _uv(args: list[str], what: str) -> str:
+    """``uv ARGS`` with a scratch cache; its output, or BundleError saying ``what`` failed."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
+        try:
+            return await run_uv(args, cache=Path(cache), timeout_s=RESOLVE_TIMEOUT_S)
+        except UvFailed as err:
+            raise BundleError(f"{what} failed: {err}") from None
 
 
 async def locked_requirements(project: Path) -> str:
@@ -325,19 +302,17 @@ async def locked_requirements(project: Path) -> str:
     if not (project / "uv.lock").is_file():
         raise BundleError(f"--llmgw-lock {project}: no uv.lock there; give llmgw's source "
                           "checkout (the folder with pyproject.toml and uv.lock)")
-    with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
-        return await _uv(["export", "--frozen", "--no-dev", "--no-emit-project", "--no-hashes",
-                          "--no-header", "--no-annotate", "--no-config", "--format",
-                          "requirements.txt", "--project", str(project)],
-                         f"reading {project}/uv.lock (uv export)", Path(cache))
+    return await _uv(["export", "--frozen", "--no-dev", "--no-emit-project", "--no-hashes",
+                      "--no-header", "--no-annotate", "--no-config", "--format",
+                      "requirements.txt", "--project", str(project)],
+                     f"reading {project}/uv.lock (uv export)")
 
 
 async def build_project_wheel(project: Path, out: Path) -> Path:
     """``project``'s own wheel (``uv build --wheel``; its build backend comes from the
     index uv is configured with, on the connected machine)."""
-    with tempfile.TemporaryDirectory(prefix="llmgw-uv-cache-") as cache:
-        await _uv(["build", "--wheel", "--no-config", "--out-dir", str(out), str(project)],
-                  f"building llmgw's wheel from {project} (uv build)", Path(cache))
+    await _uv(["build", "--wheel", "--no-config", "--out-dir", str(out), str(project)],
+              f"building llmgw's wheel from {project} (uv build)")
     built = sorted(out.glob("*.whl"))
     if len(built) != 1:
         raise BundleError(f"uv build of {project} made {len(built)} wheels, not one")

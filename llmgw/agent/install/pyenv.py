@@ -42,7 +42,7 @@ from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
 from llmgw.core.wheels import MAX_WHEEL_BYTES
-from llmgw.uvenv import uv_env
+from llmgw.uvenv import UvFailed, run_uv, uv_env
 
 REQUIREMENTS = "llmgw-requirements.txt"  # the text it was built from, hashes and all
 RESOLVED = "llmgw-resolved.txt"  # what is installed, as `uv pip freeze` lists it
@@ -219,32 +219,20 @@ async def compile_requirements(requirements: str, *, index_url: str,
     stood at ``exclude_newer``, pinned with the sha256 of every file (``uv pip compile
     --generate-hashes``): the text ``build_environment`` takes. The indexes are the
     caller's (trusted configuration), never the requirements' own."""
-    argv = [find_uv_bin(), "pip", "compile", "-", "--no-config", "--generate-hashes",
-            "--no-header", "--no-annotate", *_python_option(python), "--index-url", index_url]
+    args = ["pip", "compile", "-", "--no-config", "--generate-hashes", "--no-header",
+            "--no-annotate", *_python_option(python), "--index-url", index_url]
     for extra in extra_index_urls:
-        argv += ["--extra-index-url", extra]
+        args += ["--extra-index-url", extra]
     if exclude_newer:
-        argv += ["--exclude-newer", exclude_newer]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=uv_env(cache_dir))
+        args += ["--exclude-newer", exclude_newer]
     try:
-        out, err = await asyncio.wait_for(proc.communicate(requirements.encode()),
-                                          VENV_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise InstallError(f"resolving {what} took over {VENV_TIMEOUT_S:.0f} s; "
-                           f"is {index_url} reachable?") from None
-    if proc.returncode != 0:
-        lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
-        # uv's report starts at "error:" (or a cross, U+00D7, on a resolution); before it
-        # is progress.
-        start = next((i for i, line in enumerate(lines)
-                      if line.startswith(("error:", "\u00d7"))), max(0, len(lines) - 8))
-        raise InstallError(f"resolving {what} failed: "
-                           + " / ".join(line.strip() for line in lines[start:][:12]))
-    return out.decode()
+        return await run_uv(args, cache=cache_dir, timeout_s=VENV_TIMEOUT_S,
+                            stdin=requirements)
+    except UvFailed as err:
+        if err.timed_out:
+            raise InstallError(f"resolving {what} took over {VENV_TIMEOUT_S:.0f} s; "
+                               f"is {index_url} reachable?") from None
+        raise InstallError(f"resolving {what} failed: {err}") from None
 
 
 async def build_environment(*, root: Path, name: str, version: str, requirements: str,
