@@ -47,6 +47,9 @@ MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 # Once stopping, how long requests in flight (a stream, say) may take to finish.
 GRACEFUL_STOP_S = 10
+# Once stopping, how long a kept-alive connection may stay idle for its client's next
+# request, which it is then answered and closed after (a paced client sends within this).
+STOP_IDLE_GRACE_S = 0.5
 # The ASGI extension (``scope["extensions"]``) that offers a request's BodyWriter.
 class _NoEvent:
     """What a request served from callbacks has for uvicorn's ``message_event``: nobody
@@ -94,7 +97,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     refused with 431, and a head not complete within HEAD_TIMEOUT_S of the connection's
     start (or of its first byte, on a kept-alive connection) with 408. Otherwise a client
     could hold memory with endless header lines, or a connection with a head it never
-    finishes. And a stop does not reset a connection whose first request is on its way.
+    finishes. And a stop does not reset a connection whose next request may be on its way.
 
     Each request is offered a BodyWriter (above). A ``POST`` to one of the
     ``callback_paths`` of an app that is CallbackRoutes is held, as a ``_Light`` in place
@@ -366,21 +369,35 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._keep_alive_timer = None
         if self._idle_since is None:
             return  # serving: its response sets the timer again
-        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        limit = STOP_IDLE_GRACE_S if self._last_request else self.timeout_keep_alive
+        left = self._idle_since + limit - self.loop.time()
         if left > 0.001:
             self._keep_alive_timer = self.loop.call_later(left, self._keep_alive_due)
         else:
             self.timeout_keep_alive_handler()
 
     def shutdown(self) -> None:
-        if self._requests == 0 and self.cycle is None:
-            # Accepted, and its first request is on its way (or half read): closing now
-            # would reset a request the client already sent, which a restart on a socket
-            # systemd holds must not do. It is served, then closed; the head timeout and
-            # the graceful stop's limit bound the wait.
-            self._last_request = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            super().shutdown()  # answering: closed once its response is out
             return
-        super().shutdown()
+        idle = self._idle_since
+        if idle is not None and self.loop.time() - idle >= STOP_IDLE_GRACE_S:
+            super().shutdown()  # idle for a while: closed now
+            return
+        # Between requests with the next one on its way (its first bytes in, or none yet
+        # on a new connection), or kept-alive and idle only a moment, its client perhaps
+        # sending now: closing would reset a request the client already sent, which a
+        # restart on a socket systemd holds must not do. Its next request is served and
+        # the connection closed after it; an idle one is closed once STOP_IDLE_GRACE_S
+        # have passed with nothing sent, and the head timeout and the graceful stop's
+        # limit bound the rest.
+        self._last_request = True
+        if idle is not None:
+            if self._keep_alive_timer is not None:
+                self._keep_alive_timer.cancel()
+            self._keep_alive_timer = self.loop.call_later(
+                idle + STOP_IDLE_GRACE_S - self.loop.time(), self._keep_alive_due)
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:

@@ -28,7 +28,12 @@ from llmgw.config import Listen
 from llmgw.core.usage import SETTLE_BYTES, StreamUsage, Usage
 from llmgw.server.listen import listening_socket
 from llmgw.transport import server as http_server
-from llmgw.transport.server import GRACEFUL_STOP_S, MAX_HEAD_BYTES, make_server
+from llmgw.transport.server import (
+    GRACEFUL_STOP_S,
+    MAX_HEAD_BYTES,
+    STOP_IDLE_GRACE_S,
+    make_server,
+)
 from llmgw.transport.writer import BODY_WRITER, BodyWriter
 
 CHUNK = 2**16
@@ -394,6 +399,48 @@ async def test_a_connection_accepted_before_a_stop_gets_its_request_served():
         finally:
             conn.close()
         await asyncio.wait_for(running.task, 15)
+
+
+def _read_answer(conn: socket.socket) -> bytes:
+    """The head of one chunked answer, read whole from a kept-alive connection."""
+    data = b""
+    while not (b"\r\n\r\n" in data and data.endswith(b"\r\n0\r\n\r\n")):
+        chunk = conn.recv(65536)
+        assert chunk, f"closed with no whole answer: {data!r}"
+        data += chunk
+    return data.split(b"\r\n\r\n", 1)[0]
+
+
+async def test_a_kept_alive_client_sending_its_next_request_as_the_server_stops_is_served():
+    # A paced client reuses its connection a moment after each answer. Had the stop closed
+    # the idle connection at once, a request sent in that moment would meet a reset.
+    async with _Running() as running:
+        paced = await asyncio.to_thread(socket.create_connection,
+                                        ("127.0.0.1", running.port), 5)
+        quiet = await asyncio.to_thread(socket.create_connection,
+                                        ("127.0.0.1", running.port), 5)
+        try:
+            for conn in (paced, quiet):
+                conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                head = await asyncio.to_thread(_read_answer, conn)
+                assert head.startswith(b"HTTP/1.1 200 ") and b"close" not in head.lower()
+            stopped = asyncio.get_running_loop().time()
+            running.server.stop()
+            await _until(lambda: running.server.servers and not any(
+                s.is_serving() for s in running.server.servers), "the listener to close")
+            paced.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await asyncio.to_thread(_read_answer, paced)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            assert b"connection: close" in head.lower()
+            # The one that sends nothing is closed once the grace is out, not kept.
+            assert await asyncio.to_thread(quiet.recv, 1) == b""
+            assert await asyncio.to_thread(paced.recv, 1) == b""
+            await asyncio.wait_for(running.task, 15)
+            waited = asyncio.get_running_loop().time() - stopped
+            assert waited < STOP_IDLE_GRACE_S + GRACEFUL_STOP_S / 2, waited
+        finally:
+            paced.close()
+            quiet.close()
 
 
 def _dechunk(data: bytes) -> tuple[list[bytes], bytes]:
