@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from llmgw.cli import agent_join, agent_rollback, doctor, engine_check, server_init
 from llmgw.cli import bundle as bundle_commands
@@ -44,13 +45,15 @@ def _server(args: argparse.Namespace) -> int:
         # uvloop: the gateway's sockets, timers and callbacks in C (measured: about a third
         # less CPU per proxied request than the default loop).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(config))
+            restart = runner.run(serve(config, config_path=Path(args.config)))
     except CatalogError as err:
         print(f"llmgw server: {args.config}: {err}", file=sys.stderr)
         return 2
     except (SecretsFileError, StoreError) as err:
         print(f"llmgw server: {err}", file=sys.stderr)
         return 2
+    if restart is not None:
+        restart.exec()
     return 0
 
 

@@ -106,9 +106,9 @@ def _command(action, *, locked: bool = True):
     with their message."""
 
     def run(args: argparse.Namespace) -> int:
-        from llmgw.server.run import store_url  # the server's imports, only when needed
         from llmgw.store import StoreError, ops  # here: `llmgw agent` does not load the store
         from llmgw.store.lock import hold_state_lock
+        from llmgw.store.urls import store_url
 
         try:
             config = load(args.config, ServerConfig)

@@ -34,8 +34,8 @@ from llmgw.server.auth import (
     create_api_key,
     load_or_create_admin_token,
 )
-from llmgw.server.run import store_url
 from llmgw.store import open_store
+from llmgw.store.urls import store_url
 
 SIM_MODEL = "sim-small"
 LLAMA_MODEL = "smollm2-135m"

@@ -29,7 +29,7 @@ from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import Timeouts
 from llmgw.core.throttle import LoginThrottle
-from llmgw.server import admin
+from llmgw.server import admin, ui
 from llmgw.server.admin import join as join_routes
 from llmgw.server.admin.common import StructSchemas, empty_body_refusal
 from llmgw.server.agents.sessions import NodeSessions
@@ -255,7 +255,8 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
     handlers = [healthz, metrics_endpoint, metrics_targets, agent_stream, mirror_route,
                 *openai_routes.ROUTES, *admin.ROUTES, *join_routes.ROUTES]
     app = Litestar(
-        route_handlers=[_options_for(handlers), *handlers],
+        route_handlers=[_options_for(handlers), *handlers, ui.router()],
+        template_config=ui.template_config(),
         lifespan=[lifespan],
         state=State({
             "config": config, "store": store, "controller": controller, "router": router,

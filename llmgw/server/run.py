@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 
 from litestar.types import ASGIApp
@@ -20,15 +23,12 @@ from llmgw.server.app import build
 from llmgw.server.auth import load_admin_token
 from llmgw.server.catalog import sync_declared
 from llmgw.server.listen import listening_socket
-from llmgw.store import Store, open_store, sqlite_url
+from llmgw.store import Store, open_store
 from llmgw.store.lock import hold_state_lock
+from llmgw.store.urls import store_url
 from llmgw.transport.server import make_server
 
 log = logging.getLogger(__name__)
-
-
-def store_url(config: ServerConfig) -> str:
-    return config.store.url or sqlite_url(Path(config.state_dir) / "llmgw.db")
 
 
 async def sync_catalog(store: Store, config: ServerConfig) -> Catalog:
@@ -52,17 +52,39 @@ def check_plain_http(config: ServerConfig) -> None:
         "listen.allow_plain_http: true on a network you trust")
 
 
-async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. ``ready`` is set once the listener is up."""
+@dataclass
+class Restart:
+    """Asked for by the setup form once server.yaml names another store: the server
+    stopped as on SIGTERM, and is started again in this process (same PID, so systemd and
+    `llmgw up` see no exit), on the socket systemd passed if it passed one."""
+
+    passed_fd: int | None = None  # a duplicate of systemd's socket, kept open for the exec
+
+    def exec(self) -> None:
+        if self.passed_fd is not None:
+            os.dup2(self.passed_fd, 3)  # sd_listen_fds' first
+            os.set_inheritable(3, True)
+            os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS="1")
+        log.info("starting again: %s", " ".join(sys.argv))
+        logging.shutdown()
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None,
+                config_path: Path | None = None) -> Restart | None:
+    """Serve until SIGINT/SIGTERM, or until a restart is asked for (returned, to be
+    exec'd once the store and the lock are let go). ``ready`` is set once the listener is
+    up; ``config_path``, server.yaml, is where the setup form may point the store."""
     check_plain_http(config)
     catalog = catalog_from_config(config.models)
     Path(config.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
     # Held for the server's life: `llmgw store` operations refuse while it runs.
     with hold_state_lock(config.state_dir):
-        await _serve(config, catalog, ready)
+        return await _serve(config, catalog, ready, config_path)
 
 
-async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | None) -> None:
+async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | None,
+                 config_path: Path | None) -> Restart | None:
     admin_token, created = load_admin_token(config.state_dir, config.auth.admin_token_file)
     if created:
         log.info("made a new admin token in %s/secrets/admin-token", config.state_dir)
@@ -81,6 +103,7 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
 
             agents = AgentListener(tls, server.controller, store, live)
         # On the socket systemd passed (llmgw-server.socket) if any: restarts refuse nothing.
+        passed = "LISTEN_PID" in os.environ
         sock, where = listening_socket(config.listen)
         # /v1 and the admin API over TLS with the server's certificate; no client certificate.
         stop, serving = _http_server(config.listen, server.asgi, sock,
@@ -88,6 +111,16 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
+        restart: list[Restart] = []
+
+        def stop_and_restart() -> None:
+            if not restart:
+                # The HTTP server closes the socket as it stops: systemd's is kept.
+                restart.append(Restart(os.dup(sock.fileno()) if passed else None))
+                stop()
+
+        server.app.state.config_path = config_path
+        server.app.state.restart = stop_and_restart
         log.info("serving on %s://%s (%s)", "https" if tls else "http", where,
                  config.listen.server)
         _tune_gc()
@@ -101,6 +134,7 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         finally:
             if agents is not None:
                 await agents.stop()
+        return restart[0] if restart else None
     finally:
         await store.close()
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
+from llmgw.config import ServerConfig
 from llmgw.store.records import StoreError
-from llmgw.store.store import SUPPORTED_SCHEMES
+from llmgw.store.store import SUPPORTED_SCHEMES, sqlite_url
 
 # Query options SQLAlchemy's asyncpg dialect takes that libpq (pg_dump) would refuse.
 _ASYNCPG_ONLY = frozenset(
@@ -109,3 +110,7 @@ def words(exc: BaseException, *urls: URL) -> str:
     inner = getattr(exc, "orig", None) or exc
     return mask_text(str(inner).strip() or type(inner).__name__, *urls)
 
+
+def store_url(config: ServerConfig) -> str:
+    """The store server.yaml names, or the SQLite file in its state directory."""
+    return config.store.url or sqlite_url(Path(config.state_dir) / "llmgw.db")

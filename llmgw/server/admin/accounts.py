@@ -150,7 +150,7 @@ def _throttled(request: Request, throttle: LoginThrottle) -> None:
                        headers={"retry-after": str(max(1, round(verdict.retry_after_s)))})
 
 
-def _session_cookie(response: Response, request: Request, token: str, expires: datetime
+def session_cookie(response: Response, request: Request, token: str, expires: datetime
                     ) -> Response:
     max_age = max(0, int((expires - datetime.now(UTC)).total_seconds()))
     response.set_cookie(COOKIE, token, max_age=max_age, httponly=True,
@@ -158,7 +158,7 @@ def _session_cookie(response: Response, request: Request, token: str, expires: d
     return response
 
 
-async def _login(request: Request, creds: Credentials, store: Store, hasher: PasswordHasher,
+async def check_login(request: Request, creds: Credentials, store: Store, hasher: PasswordHasher,
                  throttle: LoginThrottle, config: ServerConfig
                  ) -> tuple[AccountRecord, str, datetime]:
     _throttled(request, throttle)
@@ -184,8 +184,8 @@ async def login(request: Request, data: JSONBody[Credentials], store: NamedDepen
                 hasher: NamedDependency[PasswordHasher], throttle: NamedDependency[LoginThrottle],
                 config: NamedDependency[ServerConfig]) -> Response[Account]:
     """For the page: the session comes back as an HttpOnly cookie, never in the body."""
-    account, token, expires = await _login(request, data, store, hasher, throttle, config)
-    return _session_cookie(Response(_account(account)), request, token, expires)
+    account, token, expires = await check_login(request, data, store, hasher, throttle, config)
+    return session_cookie(Response(_account(account)), request, token, expires)
 
 
 @post("/api/auth/token", status_code=200, **_LOGIN)
@@ -194,7 +194,7 @@ async def login_token(request: Request, data: JSONBody[Credentials], store: Name
                       throttle: NamedDependency[LoginThrottle],
                       config: NamedDependency[ServerConfig]) -> AccountSession:
     """For `llmgw ctl login`: the session token, once, to send as a bearer token."""
-    account, token, expires = await _login(request, data, store, hasher, throttle, config)
+    account, token, expires = await check_login(request, data, store, hasher, throttle, config)
     return AccountSession(**msgspec.structs.asdict(_account(account)), token=token,
                           expires_at=expires.isoformat())
 
@@ -241,7 +241,7 @@ async def signup(request: Request, data: JSONBody[Signup], store: NamedDependenc
         raise ApiError(409, f"the username {username!r} is taken", param="username",
                        code="username_taken") from None
     token, expires = await open_session(store, account.id, config.auth.session_ttl_s)
-    return _session_cookie(Response(_account(account), status_code=201), request, token,
+    return session_cookie(Response(_account(account), status_code=201), request, token,
                            expires)
 
 
@@ -269,7 +269,7 @@ async def change_password(request: Request, data: JSONBody[PasswordChange],
     await store.delete_sessions_of(account.id)
     token, expires = await open_session(store, account.id, config.auth.session_ttl_s)
     if request.cookies.get(COOKIE):
-        return _session_cookie(Response(PasswordChanged(changed=True)), request, token,
+        return session_cookie(Response(PasswordChanged(changed=True)), request, token,
                                expires)
     # A bearer session (llmgw ctl) gets its new token in the body, once.
     return Response(PasswordChanged(changed=True, token=token,

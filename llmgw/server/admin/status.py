@@ -107,6 +107,13 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
                  throttle: NamedDependency[LoginThrottle],
                  hasher: NamedDependency[PasswordHasher], store: NamedDependency[Store],
                  leadership: NamedDependency[Leadership]) -> Status:
+    return await cluster_status(controller, router, throttle, hasher, store, leadership)
+
+
+async def cluster_status(controller: Controller, router: Router, throttle: LoginThrottle,
+                         hasher: PasswordHasher, store: Store, leadership: Leadership
+                         ) -> Status:
+    """The cluster as this server sees it: ``/api/status``, and the cluster page's."""
     in_flight = router.in_flight()
     if controller.holds_lead:  # even while not sure of its lease
         sessions = controller.sessions.all()
@@ -115,7 +122,8 @@ async def status(controller: NamedDependency[Controller], router: NamedDependenc
             sessions = [session_of_record(r) for r in await store.list_nodes()]
         except StoreUnavailable:
             sessions = []  # the leader's records are out of reach: none to show
-    nodes = [node_view(s, controller.replicas.values()) for s in sessions]
+    nodes = [node_view(s, controller.replicas.values(), controller.build_choices(s.register))
+             for s in sessions]
     replicas = [_replica_view(r, in_flight, r.reason)
                 for r in sorted(controller.replicas.values(), key=lambda r: r.id)]
     # A lost node's replica is still routed to until its replacement serves.

@@ -106,6 +106,11 @@ async def resolve(connection: ASGIConnection, admin_token: str, store: Store
     session = session_token(connection)
     if not session:
         return None
+    return await session_principal(store, session)
+
+
+async def session_principal(store: Store, session: str) -> Principal | None:
+    """The account a session token stands for, while the session and the account last."""
     record = await store.find_session(_hash(session))
     if record is None or record.expires_at <= datetime.now(UTC):
         return None

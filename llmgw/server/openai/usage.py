@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import UTC, datetime
 
+from llmgw.core.recent import RecentMinutes
 from llmgw.core.usage import Usage
 from llmgw.store import Store, StoreError, StoreUnavailable, UsageEntry
 
@@ -29,17 +31,25 @@ class UsageRecorder:
         self._flush_s = flush_s
         # (key id, model) -> [requests, prompt tokens, completion tokens]
         self._pending: dict[tuple[int, str], list[int]] = {}
+        # This server's requests and tokens per minute, for the cluster page.
+        self.recent = RecentMinutes()
+        self._requests = self._tokens = 0  # since the last flush, for ``recent``
 
     def add(self, key_id: int, model: str, usage: Usage | None) -> None:
         counts = self._pending.get((key_id, model))
         if counts is None:
             counts = self._pending[key_id, model] = [0, 0, 0]
         counts[0] += 1
+        self._requests += 1
         if usage is not None:
             counts[1] += usage.prompt_tokens
             counts[2] += usage.completion_tokens
+            self._tokens += usage.prompt_tokens + usage.completion_tokens
 
     async def flush(self) -> None:
+        if self._requests:
+            self.recent.add(time.time(), self._requests, self._tokens)
+            self._requests = self._tokens = 0
         pending, self._pending = self._pending, {}
         if not pending:
             return

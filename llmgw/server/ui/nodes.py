@@ -1,0 +1,5 @@
+"""The nodes page(s)."""
+
+from __future__ import annotations
+
+ROUTES: list = []

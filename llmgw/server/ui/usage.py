@@ -1,0 +1,5 @@
+"""The usage page(s)."""
+
+from __future__ import annotations
+
+ROUTES: list = []
