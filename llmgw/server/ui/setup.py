@@ -40,7 +40,7 @@ from llmgw.server.ui.page import (
 )
 from llmgw.store import AccountRecord, Store, StoreError, ops
 from llmgw.store.config_edit import check_editable, point_config_at
-from llmgw.store.urls import mask, parse, store_url
+from llmgw.store.urls import asyncpg_url, mask, parse, store_url
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ async def _check_store(request: Request, fields: dict[str, str],
     if fields.get("store") != "postgresql":
         return None
     state = request.app.state
-    url = fields.get("store_url", "").strip()
+    url = asyncpg_url(fields.get("store_url", "").strip())
     if state.config.store.url:
         problems["store_url"] = ("server.yaml names the store already "
                                  f"({mask(state.config.store.url)}); change it there")
