@@ -1,14 +1,20 @@
 """Which engines, at which versions, the control plane asks each node for.
 
 Pure: server.yaml's ``engines``, ``engine_mirror`` and ``engine_overrides``, what the
-control plane's own mirror holds (an imported bundle's engines, as plain data) and a
+control plane's own mirror holds (an imported bundle's engines, as plain data), the build
+an operator chose for the node (``llmgw ctl engine-build``, kept in the store) and a
 node's registration in, the list sent to that node (``wire.InstallEngines``) out. The node
 works out the rest itself (the build, the OS packages, whether it runs): see core.builds.
+
+A node's build of an engine is, first found: the operator's choice for that node (auto,
+a build name or none), the last matching ``engine_overrides`` entry's, then auto. The
+choice ``default`` is no build: it clears the operator's, so server.yaml's word holds again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from llmgw import config, wire
 from llmgw.core.builds import BUILD_NAMES, comfyui_archive
@@ -39,6 +45,37 @@ PYPI = "https://pypi.org/simple"
 # being at <wire.MIRROR_ENGINES_URL>/<engine>/<version>/<file> and their sha256 the signed
 # manifest's (server/mirror.py reads them from the current bundle).
 MirrorEngines = Mapping[str, Mapping[str, Mapping[str, str]]]
+# The operator's build choice per engine for one node: auto, a build name or none.
+ChosenBuilds = Mapping[str, str]
+# Said instead of a build to clear the operator's choice: server.yaml's word holds again.
+DEFAULT_CHOICE = "default"
+# Where a node's build of an engine comes from (BuildChoice.source).
+CHOSEN, SERVER_YAML, BY_DEFAULT = "node", "server.yaml", "default"
+
+
+@dataclass(frozen=True, slots=True)
+class BuildChoice:
+    """The build a node is asked for, of one engine, and what decided it: ``node`` (an
+    operator's choice for this node), ``server.yaml`` (its engine_overrides) or ``default``
+    (nothing chose: auto)."""
+
+    build: str  # auto, a build name, or none
+    source: str
+
+
+def build_choice_refusal(engine: str, choice: str, *, default_too: bool = False
+                         ) -> str | None:
+    """Why ``choice`` is no build of ``engine`` an operator may choose, in words naming
+    those they may (auto, none and the engine's builds; ``default`` too where
+    ``default_too``); None when it is one."""
+    if engine not in BUILD_NAMES:
+        return (f"llmgw installs no engine {engine!r}; name one of "
+                + ", ".join(BUILD_NAMES))
+    words = (DEFAULT_CHOICE, "auto", "none") if default_too else ("auto", "none")
+    if choice in words or choice in BUILD_NAMES[engine]:
+        return None
+    return (f"{choice!r} is not a build of {engine}; use {', '.join(words)} or one of "
+            + ", ".join(BUILD_NAMES[engine]))
 
 
 def _matches(override: config.EngineOverride, node_id: str, inventory: wire.Inventory) -> bool:
@@ -73,10 +110,9 @@ def settings_problems(server: config.ServerConfig) -> list[str]:
             except NameRuleError as err:
                 problems.append(str(err))
         for name, build in override.build.items():
-            if build not in ("auto", "none", *BUILD_NAMES[name]):
-                problems.append(f"engine_overrides[{i}].build.{name}: {build!r} is not a "
-                                f"build of {name}; use auto, none or one of "
-                                + ", ".join(BUILD_NAMES[name]))
+            refusal = build_choice_refusal(name, build)
+            if refusal:
+                problems.append(f"engine_overrides[{i}].build.{name}: {refusal}")
     problems += _unpinned_comfyui(server)
     return problems
 
@@ -138,14 +174,10 @@ def _unnamed_version(name: str, mirror: MirrorEngines) -> str:
     return default
 
 
-def desired_engines(server: config.ServerConfig, register: wire.Register,
-                    mirror: MirrorEngines | None = None) -> list[wire.EngineWanted]:
-    """The engines to ask ``register``'s node for, by name: server.yaml's, then its
-    overrides in order, less what the node disables, what this agent cannot install, any
-    engine with the build ``none`` and any version that is not one safe path element. An
-    engine version the control plane's ``mirror`` holds comes from there, to an agent
-    that can reach it (``wire.FEATURE_MIRROR``)."""
-    mirror = mirror or {}
+def _for_node(server: config.ServerConfig, register: wire.Register, mirror: MirrorEngines
+              ) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """server.yaml's word for this node: each engine's version, the builds its overrides
+    name, and the engines they (or the node itself) disable."""
     inventory = register.inventory
     versions = {name: r.version or _unnamed_version(name, mirror)
                 for name, r in server.engines.items()}
@@ -156,11 +188,47 @@ def desired_engines(server: config.ServerConfig, register: wire.Register,
             versions.update(override.versions)
             builds.update(override.build)
             disabled.update(override.disable)
+    return versions, builds, disabled
+
+
+def _choices(versions: Mapping[str, str], overridden: Mapping[str, str],
+             chosen: ChosenBuilds) -> dict[str, BuildChoice]:
+    found = {}
+    for name in sorted((versions.keys() | chosen.keys()) & BUILD_NAMES.keys()):
+        if name in chosen:
+            found[name] = BuildChoice(chosen[name], CHOSEN)
+        elif name in overridden:
+            found[name] = BuildChoice(overridden[name], SERVER_YAML)
+        else:
+            found[name] = BuildChoice("auto", BY_DEFAULT)
+    return found
+
+
+def build_choices(server: config.ServerConfig, register: wire.Register,
+                  chosen: ChosenBuilds | None = None) -> dict[str, BuildChoice]:
+    """Each engine server.yaml asks ``register``'s node for, or an operator chose a build
+    of for it (``chosen``), by name: the build it is asked for and what decided it."""
+    versions, overridden, _ = _for_node(server, register, {})
+    return _choices(versions, overridden, chosen or {})
+
+
+def desired_engines(server: config.ServerConfig, register: wire.Register,
+                    mirror: MirrorEngines | None = None,
+                    chosen: ChosenBuilds | None = None) -> list[wire.EngineWanted]:
+    """The engines to ask ``register``'s node for, by name: server.yaml's, then its
+    overrides in order, less what the node disables, what this agent cannot install, any
+    engine with the build ``none`` and any version that is not one safe path element.
+    ``chosen``: the builds an operator chose for this node, which win over the
+    overrides'. An engine version the control plane's ``mirror`` holds comes from there,
+    to an agent that can reach it (``wire.FEATURE_MIRROR``)."""
+    mirror = mirror or {}
+    versions, overridden, disabled = _for_node(server, register, mirror)
+    choices = _choices(versions, overridden, chosen or {})
     installable = (LEGACY_INSTALLABLE if register.installable_engines is None
                    else register.installable_engines)
     wanted = []
     for name, version in sorted(versions.items()):
-        build = builds.get(name, "auto")
+        build = choices[name].build if name in choices else "auto"
         if name in disabled or name not in installable or build == "none" or not version:
             continue
         try:

@@ -31,7 +31,13 @@ import llmgw
 from llmgw import config, wire
 from llmgw.core import reconcile
 from llmgw.core.catalog import Catalog
-from llmgw.core.desired_engines import desired_engines, settings_problems
+from llmgw.core.desired_engines import (
+    DEFAULT_CHOICE,
+    BuildChoice,
+    build_choices,
+    desired_engines,
+    settings_problems,
+)
 from llmgw.core.inventory import NodeState, inventory_changes, node_from_register
 from llmgw.core.names import hostport, replica_id
 from llmgw.core.placement import Refusal, newly_qualified
@@ -51,6 +57,7 @@ from llmgw.server.agents.shard_logs import ShardLogs
 from llmgw.server.agents.upgrades import AgentUpgrades
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller_stats import ControllerStats
+from llmgw.server.engine_builds import BuildsRead, EngineBuilds
 from llmgw.server.mirror import mirror_engines
 from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
 from llmgw.store.leases import Fenced
@@ -92,8 +99,10 @@ class Controller:
         self._settle_until = 0.0
         self._listeners: list[Callable[[Controller], None]] = []
         self._lock = asyncio.Lock()
-        # server.yaml's engines and overrides, and what each node was last asked for.
+        # server.yaml's engines and overrides, the builds operators chose per node, and
+        # what each node was last asked for.
         self.settings = settings or config.ServerConfig()
+        self.engine_builds = EngineBuilds(store)
         self.engines_sent: dict[str, list[wire.EngineWanted]] = {}
         for problem in settings_problems(self.settings):
             log.warning("server.yaml: %s", problem)
@@ -194,7 +203,10 @@ class Controller:
         self.wake()
 
     async def load_table(self) -> None:
-        """Start from the stored replica table: what was ready is routed to at once."""
+        """Start from the stored replica table: what was ready is routed to at once. And
+        from the stored build choices, so that the first nodes to register are asked for
+        the right builds."""
+        self.engine_builds.take(await self.engine_builds.read())
         table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
         if table is not None:
             # Nothing this server heard of its nodes yet: all of it is checked by the probe.
@@ -220,18 +232,24 @@ class Controller:
             self._published = encoded
             self._take_table(table, unsure=table.unsure)
 
-    async def _read_desired(self) -> tuple[Catalog, set[str]]:
-        """Models and drains as the store has them: any server's admin API changes them."""
+    async def _read_desired(self) -> tuple[Catalog, set[str], BuildsRead]:
+        """Models, drains and build choices as the store has them: any server's admin API
+        changes them."""
         catalog = catalog_of(await entries(self.store, self.settings))
-        return catalog, set(await self.store.get_setting(DRAINING_SETTING, []))
+        draining = set(await self.store.get_setting(DRAINING_SETTING, []))
+        return catalog, draining, await self.engine_builds.read()
 
-    def _apply_desired(self, catalog: Catalog, draining: set[str]) -> None:
+    def _apply_desired(self, catalog: Catalog, draining: set[str], builds: BuildsRead) -> None:
         if catalog != self.catalog:
             self.catalog = catalog
             log.info("catalog (as stored): %s", ", ".join(
                 f"{m.name} x{m.replicas}" for m in catalog.models) or "no models")
         for node_id in draining ^ self.sessions.draining:
             self.sessions.set_draining(node_id, node_id in draining)
+        for node_id in sorted(self.engine_builds.take(builds)):
+            # Another server's admin API chose a build: its node hears of it from here.
+            if (session := self.sessions.get(node_id)) is not None:
+                self._ask_for_engines(session.register)
 
     def _table(self) -> dict:
         return replica_table.encode(replica_table.ReplicaTable(
@@ -335,6 +353,11 @@ class Controller:
         await self._publish(table)
         self.stats.pass_done(time.perf_counter() - began)
         return plan
+
+    def refusals_of(self, model: str) -> tuple[Refusal, ...]:
+        """Placement's reason per node turned down, while ``model`` is unplaced for want of
+        room (the last pass's; none while it waits for another reason)."""
+        return self._refusals_seen.get(model, ()) if model in self.unplaced else ()
 
     def _new_refusals(self, plan: reconcile.Plan) -> dict[str, tuple[Refusal, ...]]:
         """The models whose refusals differ from the last pass's; each counted once."""
@@ -617,12 +640,14 @@ class Controller:
         self.changed()
         self.wake()
 
-    def _ask_for_engines(self, msg: wire.Register) -> None:
+    def _ask_for_engines(self, msg: wire.Register) -> bool:
         """Send the node the engines it should have, when that differs from what it was
-        last sent on this stream (a new label or GPU can change it)."""
-        wanted = desired_engines(self.settings, msg, mirror_engines(self.settings))
+        last sent on this stream (a new label or GPU, or a build chosen, can change it);
+        whether it was sent."""
+        wanted = desired_engines(self.settings, msg, mirror_engines(self.settings),
+                                 self.engine_builds.of(msg.node_id))
         if self.engines_sent.get(msg.node_id) == wanted:
-            return
+            return False
         # The node's installs continue this trace.
         span = (self.tracing.start(f"engines for {msg.node_id}", attributes={
             "llmgw.node": msg.node_id,
@@ -633,8 +658,10 @@ class Controller:
         end(span, error=None if sent else "the node disconnected")
         if sent:
             self.engines_sent[msg.node_id] = wanted
-            log.info("asked %s for engines: %s", msg.node_id,
-                     ", ".join(f"{e.name} {e.version}" for e in wanted) or "none")
+            log.info("asked %s for engines: %s", msg.node_id, ", ".join(
+                f"{e.name} {e.version}" + (f" ({e.build} build)" if e.build != "auto" else "")
+                for e in wanted) or "none")
+        return sent
 
     def _log_inventory_change(self, msg: wire.Register, old: wire.Inventory | None) -> None:
         # "The node now qualifies" answers why a model placed an hour after it was asked for.
@@ -746,6 +773,33 @@ class Controller:
         log.info("node %s: %s", node_id, "draining" if draining else "undrained")
         # A pass now, so the answer to the operator already shows the new state.
         await self.pass_once()
+
+    async def set_engine_build(self, node_id: str, engine: str, choice: str) -> str:
+        """An operator chose ``node_id``'s build of ``engine`` (auto, a build name, none, or
+        ``default`` to go back to server.yaml's): kept in the store, and the node told now
+        where this server holds its stream. Says, in words, when the node hears of it."""
+        await self.engine_builds.put(node_id, engine,
+                                     None if choice == DEFAULT_CHOICE else choice)
+        log.info("node %s: %s build %s", node_id, engine,
+                 "as server.yaml says" if choice == DEFAULT_CHOICE else f"{choice}, chosen")
+        session = self.sessions.get(node_id)
+        if not self.holds_lead:
+            return (f"{self.not_leading()}; the leader tells {node_id} within "
+                    f"{self.interval_s:g} s")
+        if session is None or session.outbox is None:
+            return f"{node_id} is not connected: it is told when it registers"
+        if self._ask_for_engines(session.register):
+            return f"{node_id} was told now"
+        words = f"what {node_id} is asked for is unchanged: nothing to tell it"
+        if choice != "none" and engine not in {e.name for e in self.engines_sent.get(
+                node_id, [])}:
+            words += (f" (it is asked for no {engine}: server.yaml does not name it for this "
+                      "node, or its agent cannot install it or disables it)")
+        return words
+
+    def build_choices(self, register: wire.Register) -> dict[str, BuildChoice]:
+        """The build of each engine the node is asked about, and what decided it."""
+        return build_choices(self.settings, register, self.engine_builds.of(register.node_id))
 
     def node_disconnected(self, node_id: str, connection: int) -> None:
         self.sessions.detach(node_id, connection)

@@ -1,6 +1,7 @@
 """The store: desired state (models, settings), registered nodes, API keys, and (in
-`llmgw.store.accounts`, mixed in) accounts, sessions and invites, and (in
-`llmgw.store.usage`) the counters behind per-key limits and the usage record.
+`llmgw.store.accounts`, mixed in) accounts, sessions and invites, (in
+`llmgw.store.usage`) the counters behind per-key limits and the usage record, and (in
+`llmgw.store.engine_builds`) the engine build an operator chose per node.
 
 Rule of the house: never make a network call inside a transaction. Each Store method is
 one short transaction that opens, does its statements and commits; callers talk to agents,
@@ -44,6 +45,7 @@ from sqlalchemy.ext.asyncio import (
 from llmgw.core.usage import check_limit
 from llmgw.store import migrate
 from llmgw.store.accounts import AccountsMixin, _require_account
+from llmgw.store.engine_builds import EngineBuildMixin
 from llmgw.store.leases import LeaseMixin
 from llmgw.store.pki import PkiMixin
 from llmgw.store.records import (
@@ -192,7 +194,7 @@ log = logging.getLogger(__name__)
 _PREFIXES_PER_READ = 500
 
 
-class Store(AccountsMixin, UsageMixin, PkiMixin, LeaseMixin):
+class Store(AccountsMixin, UsageMixin, PkiMixin, LeaseMixin, EngineBuildMixin):
     """Async access to the store; one instance per process, shared by all tasks."""
 
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:

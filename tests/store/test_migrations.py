@@ -19,7 +19,8 @@ from llmgw.store.tables import Base
 
 TABLES_0001 = {"models", "nodes", "settings", "counters", "api_keys"}
 TABLES_0002 = TABLES_0001 | {"accounts", "sessions", "invites"}
-TABLES = TABLES_0002 | {"usage_windows", "usage_days", "join_tokens", "node_certs", "leases"}
+TABLES = TABLES_0002 | {"usage_windows", "usage_days", "join_tokens", "node_certs", "leases",
+                        "engine_builds"}
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 

@@ -91,6 +91,7 @@ async def populate(store: Store) -> None:
     await store.put_setting("null", None)
     await store.put_setting("list", [1, 2.5, "x", {"k": None}])
     await store.put_setting("text", "plain")
+    await store.put_engine_build("n1", "llama.cpp", "vulkan")
     await store.take_lead("server-a", "10.0.0.1:8080", ttl_s=30)
     await store.server_alive("server-a", "10.0.0.1:8080", ttl_s=30)
     for _ in range(3):

@@ -1,17 +1,19 @@
-"""``llmgw ctl nodes``: the cluster's nodes, for admins: list, drain, join, revoke."""
+"""``llmgw ctl nodes``: the cluster's nodes, for admins: list, drain, join, revoke; and
+``llmgw ctl engine-build``: the build of an engine a node installs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import urllib.parse
 from collections import Counter
 
 from llmgw.cli.ctl.client import call
 from llmgw.cli.ctl.commands import Commands
 from llmgw.cli.ctl.output import done, print_json, show
 
-_COLUMNS = ["node", "state", "address", "llmgw", "fabric", "gpus", "engines", "weights",
-            "replicas", "warnings"]
+_COLUMNS = ["node", "state", "address", "llmgw", "fabric", "gpus", "engines", "builds",
+            "weights", "replicas", "warnings"]
 
 
 def nodes_list(args: argparse.Namespace) -> None:
@@ -27,6 +29,7 @@ def _row(node: dict) -> dict:
             "llmgw": node.get("llmgw_version", "unknown"),
             "fabric": node["fabric"], "gpus": _gpu_words(node["gpus"]),
             "engines": ", ".join(_engine_words(e) for e in node["engines"]),
+            "builds": _build_words(node.get("engine_builds", {})),
             "weights": disk, "replicas": ", ".join(node["replicas"]),
             "warnings": "; ".join(node["warnings"])}
 
@@ -36,6 +39,13 @@ def _gpu_words(gpus: list[dict]) -> str:
     kinds = Counter((g["name"], round(g["memory_total_mib"] / 1024)) for g in gpus)
     return ", ".join(f"{count} x {name} ({gib} GiB)"
                      for (name, gib), count in kinds.items()) or "-"
+
+
+def _build_words(builds: dict[str, dict]) -> str:
+    """The builds something chose: ``llama.cpp vulkan (chosen), vllm none (server.yaml)``;
+    an engine left to the node (auto, by default) is not named."""
+    return ", ".join(f"{name} {b['build']} ({'chosen' if b['source'] == 'node' else b['source']})"
+                     for name, b in builds.items() if b["source"] != "default")
 
 
 def _engine_words(engine: dict) -> str:
@@ -82,6 +92,20 @@ def nodes_revoke(args: argparse.Namespace) -> None:
     done(args, reply, text)
 
 
+# What decided a node's build, in the words ctl prints (EngineBuildView.source).
+_SOURCES = {"node": "chosen for this node", "server.yaml": "server.yaml's engine_overrides",
+            "default": "nothing chose one: the node takes its best"}
+
+
+def engine_build(args: argparse.Namespace) -> None:
+    path = "/api/nodes/{}/engine-builds/{}".format(
+        *(urllib.parse.quote(part, safe="") for part in (args.node, args.engine)))
+    reply = call(args, "PUT", path, {"build": args.choice})
+    build = reply["build"]
+    done(args, reply, f"{args.node} {args.engine}: {build['build']} "
+                      f"({_SOURCES.get(build['source'], build['source'])}); {reply['told']}")
+
+
 def add_parsers(commands: Commands) -> None:
     nodes = commands.listing_group("nodes", nodes_list, "nodes (admins)")
     commands.add("list", nodes_list, "each node: state, address, GPUs, engines, warnings",
@@ -100,3 +124,10 @@ def add_parsers(commands: Commands) -> None:
     p = commands.add("revoke", nodes_revoke, "revoke a node's certificates: its stream is "
                      "closed and it cannot connect again until it joins again", under=nodes)
     p.add_argument("node")
+    p = commands.add("engine-build", engine_build, "choose the build of an engine a node "
+                     "installs; kept by the control plane, and the node told at once")
+    p.add_argument("node")
+    p.add_argument("engine", help="llama.cpp, vllm, sglang or comfyui")
+    p.add_argument("choice", help="auto (the node takes its best), a build name (cu130, "
+                   "cu129, cuda-12.8, vulkan, cpu …), none (not installed there), or default "
+                   "(no choice of yours: server.yaml's engine_overrides, else auto)")

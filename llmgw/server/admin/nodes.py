@@ -1,8 +1,9 @@
-"""Nodes over the admin API: what each reports, and draining one for maintenance."""
+"""Nodes over the admin API: what each reports, and draining one for maintenance (its
+engine builds: admin/engine_builds.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 from litestar import get, post
@@ -10,6 +11,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 import llmgw
+from llmgw.core.builds import BUILD_NAMES
+from llmgw.core.desired_engines import DEFAULT_CHOICE, BuildChoice
 from llmgw.core.replicas import Replica
 from llmgw.core.versions import behind_words
 from llmgw.server.admin.common import ADMIN
@@ -49,6 +52,22 @@ class RdmaView(msgspec.Struct):
     link_layer: str
 
 
+class EngineBuildView(msgspec.Struct):
+    """The build of one engine a node is asked for: ``auto`` (the node takes its best),
+    a build name, or ``none`` (not installed there); ``source`` says what decided it:
+    ``node`` (an operator's choice for this node), ``server.yaml`` (its engine_overrides) or
+    ``default``. ``choices``: what an operator may choose (``default``: server.yaml's)."""
+
+    build: str
+    source: str
+    choices: list[str]
+
+
+def engine_build_view(engine: str, choice: BuildChoice) -> EngineBuildView:
+    return EngineBuildView(choice.build, choice.source,
+                           [DEFAULT_CHOICE, "auto", "none", *BUILD_NAMES[engine]])
+
+
 class NodeView(msgspec.Struct):
     id: str
     address: str
@@ -67,9 +86,13 @@ class NodeView(msgspec.Struct):
     warnings: list[str]
     # The node's llmgw, as its agent registered ("unknown" from an agent that did not say).
     llmgw_version: str = "unknown"
+    # Per engine server.yaml asks it for, or an operator chose a build of for it.
+    engine_builds: dict[str, EngineBuildView] = {}
 
 
-def node_view(session: NodeSession, replicas: Iterable[Replica]) -> NodeView:
+def node_view(session: NodeSession, replicas: Iterable[Replica],
+              builds: Mapping[str, BuildChoice] | None = None) -> NodeView:
+    """``builds``: its engines' build choices (``Controller.build_choices``)."""
     inv = session.register.inventory
     warnings = []
     behind = behind_words(llmgw.__version__, session.register.agent_version)
@@ -103,20 +126,24 @@ def node_view(session: NodeSession, replicas: Iterable[Replica]) -> NodeView:
                         if any(s.node_id == session.node_id for s in r.shards)),
         warnings=warnings,
         llmgw_version=session.register.agent_version or "unknown",
+        engine_builds={name: engine_build_view(name, c) for name, c in (builds or {}).items()},
     )
 
 
 
 @get("/api/nodes", **ADMIN, responses=refusals(401, 403))
 async def list_nodes(controller: NamedDependency[Controller]) -> list[NodeView]:
-    return [node_view(s, controller.replicas.values()) for s in controller.sessions.all()]
+    return [node_view(s, controller.replicas.values(), controller.build_choices(s.register))
+            for s in controller.sessions.all()]
 
 
 async def _drain(controller: Controller, node_id: str, draining: bool) -> NodeView:
     if controller.sessions.get(node_id) is None:
         raise ApiError(404, f"no node {node_id!r} has registered", code="node_not_found")
     await controller.set_draining(node_id, draining)
-    return node_view(controller.sessions.get(node_id), controller.replicas.values())
+    session = controller.sessions.get(node_id)
+    return node_view(session, controller.replicas.values(),
+                     controller.build_choices(session.register))
 
 
 @post("/api/nodes/{node_id:str}/drain", status_code=200, **ADMIN,
