@@ -282,6 +282,7 @@ def up(args: argparse.Namespace) -> int:
             f"  OpenAI base URL  {base}/v1\n"
             f"  API key          {key}\n"
             f"  admin token      {admin_token}\n"
+            f"  cluster page     {base}/  (a first visit asks for the admin token)\n"
             f"  logs             {logs}/\n\n"
             f"  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' \\\n"
             f"    -H 'content-type: application/json' \\\n"
