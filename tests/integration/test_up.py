@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -43,6 +44,10 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path, llama_cp
         key = (state / "server" / "secrets" / "up-api-key").read_text().strip()
         assert key in printed and f"http://127.0.0.1:{port}/v1" in printed
         assert oct((state / "server" / "secrets" / "up-api-key").stat().st_mode & 0o777) == "0o600"
+        # The cluster page it names leads a first visit to the setup form.
+        assert f"cluster page     http://127.0.0.1:{port}/" in printed
+        setup = httpx.get(f"http://127.0.0.1:{port}/", follow_redirects=True)
+        assert setup.url.path == "/ui/setup" and "Set up llmgw" in setup.text
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=0)
