@@ -94,6 +94,18 @@ def test_a_fresh_install_is_set_up_from_the_form_once(make_cluster):
         assert out.headers["location"] == "/ui/login"
         assert other.get("/ui/").headers["location"].startswith("/ui/login")
 
+    # A user sees the models, not the nodes nor the traffic, as on the admin API.
+    assert c.admin("POST", "/api/users", json={"username": "dev",
+                                               "password": "another-password"}).is_success
+    with httpx.Client(base_url=c.base_url, timeout=30) as user:
+        login = user.get("/ui/login")
+        assert user.post("/ui/login", data={"csrf": _csrf(login.text), "username": "dev",
+                                            "password": "another-password"}).is_redirect
+        page = user.get("/ui/").text
+        assert "smollm2-135m" in page and 'class="who">dev</span>' in page
+        assert 'id="nodes-h"' not in page and "Needs attention" not in page
+        assert "per minute" not in page
+
 
 def test_setup_on_postgresql_moves_the_store_and_restarts_in_place(postgres_database,
                                                                    make_cluster):

@@ -120,6 +120,9 @@ def attention(status: Status) -> list[Attention]:
 async def overview(request: Request) -> Template:
     page = await open_page(request)
     status = await status_of(request)
+    if not page.is_admin:
+        # What GET /api/models tells a user; nodes, replicas and traffic are admins'.
+        status = Status(nodes=[], replicas=[], models=status.models, logins=status.logins)
     by_state: dict[str, list[str]] = {}
     for node in status.nodes:
         by_state.setdefault(node.state, []).append(node.id)
@@ -135,7 +138,7 @@ async def overview(request: Request) -> Template:
         tokens_chart=stacked_bars(token_columns, ["tokens"], "tokens per minute, last hour"),
         requests_hour=sum(m.requests for m in minutes),
         tokens_hour=sum(m.tokens for m in minutes),
-        attention=attention(status))
+        attention=attention(status) if page.is_admin else [])
 
 
 @get(f"{PREFIX}/{{rest:path}}", include_in_schema=False)
