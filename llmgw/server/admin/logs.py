@@ -8,6 +8,7 @@ leader holds the nodes' streams, so only the leader answers.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -45,6 +46,17 @@ async def replica_logs(replica: FromPath[str], controller: NamedDependency[Contr
     ``follow=true``, what the engine writes next, until the client goes away or the shard
     stops. ``rank`` picks the shard (default 0). When the output ends for another reason
     than the client's, a last line says why: ``-- llmgw: … --``."""
+    pending, first = await open_shard_log(controller, replica, rank, tail, follow)
+    return Stream(_relay(controller.shard_logs, pending, first),
+                  media_type="text/plain; charset=utf-8",
+                  headers={"cache-control": "no-store", "x-content-type-options": "nosniff"})
+
+
+async def open_shard_log(controller: Controller, replica: str, rank: int, tail: int,
+                         follow: bool) -> tuple[PendingLog, str]:
+    """Ask the node that runs shard ``rank`` of ``replica`` for its output: the request,
+    open in ``controller.shard_logs`` (the caller closes it), and its first piece. Every
+    reason it cannot be asked is an ApiError saying what to do."""
     if rank < 0:
         raise ApiError(400, f"rank must be 0 or more, not {rank}", param="rank",
                        code="invalid_value")
@@ -105,9 +117,28 @@ async def replica_logs(replica: FromPath[str], controller: NamedDependency[Contr
     except BaseException:
         registry.close(pending)
         raise
-    return Stream(_relay(registry, pending, first or ""),
-                  media_type="text/plain; charset=utf-8",
-                  headers={"cache-control": "no-store", "x-content-type-options": "nosniff"})
+    return pending, first or ""
+
+
+async def shard_log_tail(controller: Controller, replica: str, rank: int, tail: int,
+                         timeout_s: float = FIRST_ANSWER_S) -> str:
+    """The last ``tail`` bytes of a shard's output, whole (not followed), with the line
+    that says why it ended, if not cleanly; the cluster page shows it."""
+    pending, first = await open_shard_log(controller, replica, rank, tail, follow=False)
+    text, why = first, ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while (piece := await pending.next()) is not None:
+                text += piece
+        why = pending.ended or ""
+    except TimeoutError:
+        why = f"node {pending.node} sent no more within {timeout_s:g} s"
+    finally:
+        controller.shard_logs.close(pending)
+    if why:
+        gap = "" if not text or text.endswith("\n") else "\n"
+        text += f"{gap}-- llmgw: {why} --\n"
+    return text
 
 
 async def _relay(registry: ShardLogs, pending: PendingLog, first: str

@@ -1,7 +1,8 @@
 """Models over the admin API: list, add, remove, scale.
 
 The catalog they change is merged in ``server.catalog`` (server.yaml's models and the
-API's); these handlers read it, write the store, and hand the controller the result.
+API's); these functions read it, write the store, and hand the controller the result. The
+handlers and the cluster page's models page call the same functions.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import delete, get, patch, post
+from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.typing import FieldDefinition
@@ -67,12 +69,7 @@ class ModelBody(StrictBody):
     own rules (errors name the key path), and documented as ``llmgw.config.Model``."""
 
     def decode_bytes(self, value: bytes) -> NewModel:
-        written = decode_json(value or b"null")
-        try:
-            model, _ = parse_model(written)
-        except ModelError as err:
-            raise ApiError(400, str(err), param=err.param, code="invalid_model") from None
-        return NewModel(written, model)
+        return checked_model(decode_json(value or b"null"))
 
     @classmethod
     def create_openapi_schema(cls, field_definition: FieldDefinition, handler_id: str,
@@ -152,13 +149,103 @@ async def _apply(store: Store, settings: ServerConfig, controller: Controller
     return items
 
 
+# --- what the API and the cluster page both do -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParts:
+    """What a change of the models works on: the store, server.yaml, the controller that is
+    handed the result, and the lock that makes changes one at a time."""
+
+    store: Store
+    settings: ServerConfig
+    controller: Controller
+    lock: asyncio.Lock
+
+    @classmethod
+    def of(cls, state: State) -> ModelParts:
+        return cls(state.store, state.config, state.controller, state.models_lock)
+
+
+def checked_model(written: Any) -> NewModel:
+    """A model as the operator wrote it (a server.yaml ``models:`` entry), checked with
+    server.yaml's own rules; a 400 naming the key path otherwise."""
+    try:
+        model, _ = parse_model(written)
+    except ModelError as err:
+        raise ApiError(400, str(err), param=err.param, code="invalid_model") from None
+    return NewModel(written, model)
+
+
+async def model_views(store: Store, settings: ServerConfig, controller: Controller,
+                      admin: bool) -> list[ModelView]:
+    return [model_view(e, controller, admin) for e in await entries(store, settings)]
+
+
+async def add_to_catalog(parts: ModelParts, new: NewModel) -> ModelView:
+    """Store a checked model as the API's; 409 when the name is taken."""
+    store, config, name = parts.store, parts.settings, new.model.name
+    async with parts.lock:
+        existing = await store.get_model(name)
+        if existing is not None or any(m.name == name for m in config.models):
+            where = ("server.yaml declares it" if existing is None
+                     or declared(existing).source == CONFIG else "it was added over the API")
+            raise ApiError(409, f"model {name!r} exists ({where}): scale it with `llmgw "
+                           f"ctl models scale {name} N`, or remove it first",
+                           param="name", code="model_exists")
+        # As the operator wrote it (checked above), as server.yaml keeps what it was given.
+        await store.put_model(name, stored_spec(API, new.written))
+        log.info("model %s added over the API", name)
+        items = await _apply(store, config, parts.controller)
+    return model_view(next(e for e in items if e.model.name == name), parts.controller, True)
+
+
+async def remove_from_catalog(parts: ModelParts, name: str) -> ModelRemoved:
+    """Remove a model added over the API; server.yaml's are refused (409), saying how."""
+    store, config = parts.store, parts.settings
+    async with parts.lock:
+        if any(m.name == name for m in config.models):
+            raise ApiError(409, f"model {name!r} is declared in server.yaml: remove it there "
+                           "and restart the server (to stop its replicas meanwhile: `llmgw "
+                           f"ctl models scale {name} 0`)", code="model_in_config")
+        if not await store.delete_model(name):
+            await _find(store, config, name)  # says what to do
+        log.info("model %s removed over the API; its replicas stop", name)
+        await _apply(store, config, parts.controller)
+    return ModelRemoved(name)
+
+
+async def set_replicas(parts: ModelParts, name: str, replicas: int | None) -> ModelView:
+    """Scale a model; None goes back to server.yaml's value (refused for the API's)."""
+    store, config = parts.store, parts.settings
+    async with parts.lock:
+        entry = await _find(store, config, name)
+        if entry.source == CONFIG:
+            raw = next(m for m in config.models if m.name == name)
+            await store.put_model(name, stored_spec(CONFIG, msgspec.to_builtins(raw),
+                                                    replicas))
+        elif replicas is None:
+            raise ApiError(400, f"model {name!r} was added over the API: it has no "
+                           "server.yaml value to go back to; give a number of replicas",
+                           param="replicas", code="invalid_value")
+        else:
+            await store.put_model(name, stored_spec(API, {**entry.spec,
+                                                          "replicas": replicas}))
+        log.info("model %s scaled to %s over the API", name,
+                 "server.yaml's replicas" if replicas is None else replicas)
+        items = await _apply(store, config, parts.controller)
+    return model_view(next(e for e in items if e.model.name == name), parts.controller, True)
+
+
+# --- the handlers ----------------------------------------------------------------------------
+
+
 @get("/api/models", **{**SIGNED_IN, "dependencies": DEPENDENCIES},
      responses=refusals(401))
 async def list_models(principal: NamedDependency[Principal], store: NamedDependency[Store],
                       config: NamedDependency[ServerConfig],
                       controller: NamedDependency[Controller]) -> list[ModelView]:
-    return [model_view(e, controller, principal.is_admin)
-            for e in await entries(store, config)]
+    return await model_views(store, config, controller, principal.is_admin)
 
 
 _ADMIN = {**ADMIN, "dependencies": DEPENDENCIES}
@@ -169,20 +256,7 @@ _ADMIN = {**ADMIN, "dependencies": DEPENDENCIES}
 async def add_model(data: JSONBody[NewModel], store: NamedDependency[Store],
                     config: NamedDependency[ServerConfig], controller: NamedDependency[Controller],
                     models_lock: NamedDependency[asyncio.Lock]) -> ModelView:
-    name = data.model.name
-    async with models_lock:
-        existing = await store.get_model(name)
-        if existing is not None or any(m.name == name for m in config.models):
-            where = ("server.yaml declares it" if existing is None
-                     or declared(existing).source == CONFIG else "it was added over the API")
-            raise ApiError(409, f"model {name!r} exists ({where}): scale it with `llmgw "
-                           f"ctl models scale {name} N`, or remove it first",
-                           param="name", code="model_exists")
-        # As the operator wrote it (checked above), as server.yaml keeps what it was given.
-        await store.put_model(name, stored_spec(API, data.written))
-        log.info("model %s added over the API", name)
-        items = await _apply(store, config, controller)
-    return model_view(next(e for e in items if e.model.name == name), controller, True)
+    return await add_to_catalog(ModelParts(store, config, controller, models_lock), data)
 
 
 @delete("/api/models/{name:path}", status_code=200, **_ADMIN,
@@ -191,17 +265,8 @@ async def remove_model(name: FromPath[str], store: NamedDependency[Store],
                        config: NamedDependency[ServerConfig],
                        controller: NamedDependency[Controller],
                        models_lock: NamedDependency[asyncio.Lock]) -> ModelRemoved:
-    name = name.lstrip("/")
-    async with models_lock:
-        if any(m.name == name for m in config.models):
-            raise ApiError(409, f"model {name!r} is declared in server.yaml: remove it there "
-                           "and restart the server (to stop its replicas meanwhile: `llmgw "
-                           f"ctl models scale {name} 0`)", code="model_in_config")
-        if not await store.delete_model(name):
-            await _find(store, config, name)  # says what to do
-        log.info("model %s removed over the API; its replicas stop", name)
-        await _apply(store, config, controller)
-    return ModelRemoved(name)
+    return await remove_from_catalog(ModelParts(store, config, controller, models_lock),
+                                     name.lstrip("/"))
 
 
 @patch("/api/models/{name:path}", **_ADMIN, dto=StrictBody,
@@ -211,24 +276,8 @@ async def scale_model(name: FromPath[str], data: JSONBody[Scale], store: NamedDe
                       controller: NamedDependency[Controller],
                       models_lock: NamedDependency[asyncio.Lock]) -> ModelView:
     """``{"replicas": 3}``; ``{"replicas": null}`` goes back to server.yaml's value."""
-    name = name.lstrip("/")
-    async with models_lock:
-        entry = await _find(store, config, name)
-        if entry.source == CONFIG:
-            raw = next(m for m in config.models if m.name == name)
-            await store.put_model(name, stored_spec(CONFIG, msgspec.to_builtins(raw),
-                                                    data.replicas))
-        elif data.replicas is None:
-            raise ApiError(400, f"model {name!r} was added over the API: it has no "
-                           "server.yaml value to go back to; give a number of replicas",
-                           param="replicas", code="invalid_value")
-        else:
-            await store.put_model(name, stored_spec(API, {**entry.spec,
-                                                          "replicas": data.replicas}))
-        log.info("model %s scaled to %s over the API", name,
-                 "server.yaml's replicas" if data.replicas is None else data.replicas)
-        items = await _apply(store, config, controller)
-    return model_view(next(e for e in items if e.model.name == name), controller, True)
+    return await set_replicas(ModelParts(store, config, controller, models_lock),
+                              name.lstrip("/"), data.replicas)
 
 
 ROUTES = [list_models, add_model, remove_model, scale_model]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
-from litestar import Request, Response
+from litestar import MediaType, Request, Response
 from litestar.response import Redirect, Template
 
 from llmgw.server.auth.sessions import COOKIE, Principal, session_principal
@@ -84,7 +84,10 @@ class Page:
         return self.viewer is not None and self.viewer.is_admin
 
     def render(self, template: str, status_code: int = 200, **context: Any) -> Template:
-        page = Template(template_name=template, status_code=status_code, context={
+        # Always HTML: a handler whose return type is not a Template (a form's POST that
+        # may redirect or re-render) would otherwise send it as its default, JSON.
+        page = Template(template_name=template, status_code=status_code,
+                        media_type=MediaType.HTML, context={
             "viewer": self.viewer, "csrf": self.csrf, "csrf_field": CSRF_FIELD,
             "flash": self.flash, "path": self.request.url.path, **self.context, **context})
         # No page is cached, and none may be framed by another site (clickjacking).
