@@ -16,6 +16,7 @@ from litestar import delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody, Parameter, SkipValidation
 
+from llmgw.core.catalog import Catalog
 from llmgw.core.usage import LIMIT_NAMES, LIMIT_PERIOD, MAX_LIMIT, Limits, seconds_left, used
 from llmgw.server.admin.common import SIGNED_IN, Input, StrictBody
 from llmgw.server.auth import KeyCache
@@ -117,7 +118,8 @@ class KeyUsage(msgspec.Struct):
     days: list[DayUse]
 
 
-def _key(key: ApiKeyRecord, owners: dict[int, str]) -> Key:
+def key_view(key: ApiKeyRecord, owners: dict[int, str]) -> Key:
+    """A key as the API and the page show it (never its secret)."""
     return Key(
         prefix=key.prefix, name=key.name, models=key.allowed_models,
         owner=owners.get(key.account_id) if key.account_id is not None else None,
@@ -134,7 +136,9 @@ def _admin_for_limits(principal: Principal) -> None:
                        code="admin_required")
 
 
-async def _visible_key(store: Store, principal: Principal, prefix: str) -> ApiKeyRecord:
+async def visible_key(store: Store, principal: Principal, prefix: str) -> ApiKeyRecord:
+    """The key with this prefix if ``principal`` may see it: their own, or any for an
+    admin; otherwise 404."""
     key = await store.find_api_key(prefix)
     # Someone else's key is "not found", not "forbidden": its existence is not theirs to know.
     if key is None or (not principal.is_admin and key.account_id != principal.account_id):
@@ -142,26 +146,22 @@ async def _visible_key(store: Store, principal: Principal, prefix: str) -> ApiKe
     return key
 
 
-async def _owners(store: Store) -> dict[int, str]:
+async def visible_keys(store: Store, principal: Principal) -> list[ApiKeyRecord]:
+    """The keys ``principal`` sees: their own, or every key for an admin; by id."""
+    if principal.is_admin:
+        return await store.list_api_keys()
+    return await store.list_api_keys(account_id=principal.account_id)
+
+
+async def owners(store: Store) -> dict[int, str]:
+    """Each account's username, by id."""
     return {a.id: a.username for a in await store.list_accounts()}
 
 
-@get("/api/keys", **SIGNED_IN, responses=refusals(401))
-async def list_keys(principal: NamedDependency[Principal],
-                    store: NamedDependency[Store]) -> list[Key]:
-    keys = await (store.list_api_keys() if principal.is_admin
-                  else store.list_api_keys(account_id=principal.account_id))
-    owners = await _owners(store)
-    return [_key(k, owners) for k in keys]
-
-
-@post("/api/keys", status_code=201, **SIGNED_IN, dto=StrictBody,
-      responses=refusals(400, 401, 403, 404, 415))
-async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principal],
-                     store: NamedDependency[Store],
-                     controller: NamedDependency[SkipValidation[Controller]]) -> NewKeyMade:
-    # (The controller is not checked against its type: a test stands in an object with a
-    # catalog for it.)
+async def make_key(store: Store, catalog: Catalog, principal: Principal,
+                   data: NewKey) -> NewKeyMade:
+    """Make a key for ``principal`` (or, for an admin, ``data.owner``); its secret is in
+    the answer, this once."""
     account_id = principal.account_id
     limits = Limits()
     if data.limits is not None:
@@ -176,7 +176,7 @@ async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principa
             raise ApiError(404, f"no user named {data.owner!r}", param="owner",
                            code="user_not_found")
         account_id = owner.id
-    unknown = [m for m in data.models or [] if controller.catalog.get(m) is None]
+    unknown = [m for m in data.models or [] if catalog.get(m) is None]
     if unknown:
         raise ApiError(400, f"no such model: {', '.join(unknown)}; see GET /v1/models",
                        param="models", code="model_not_found")
@@ -187,8 +187,45 @@ async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principa
     if limits.any:
         # Should this fail, the key was never shown, so nobody can use it unlimited.
         record = await store.update_api_key_limits(record.prefix, **limits.as_dict())
-    made = _key(record, await _owners(store))
+    made = key_view(record, await owners(store))
     return NewKeyMade(**msgspec.structs.asdict(made), key=key)
+
+
+async def revoke(store: Store, api_keys: KeyCache, principal: Principal,
+                 prefix: str) -> ApiKeyRecord:
+    """Revoke a key ``principal`` sees; this server refuses it from the next request on.
+    Returns the key as it was before."""
+    key = await visible_key(store, principal, prefix)
+    await store.revoke_api_key(prefix, datetime.now(UTC))
+    api_keys.forget(prefix)
+    return key
+
+
+async def set_limits(store: Store, api_keys: KeyCache, principal: Principal, prefix: str,
+                     limits: dict[str, int | None]) -> ApiKeyRecord:
+    """Set the limits named (None lifts one; those not named are kept): admins only."""
+    await visible_key(store, principal, prefix)
+    _admin_for_limits(principal)
+    record = await store.update_api_key_limits(prefix, **limits)
+    api_keys.forget(prefix)
+    return record
+
+
+@get("/api/keys", **SIGNED_IN, responses=refusals(401))
+async def list_keys(principal: NamedDependency[Principal],
+                    store: NamedDependency[Store]) -> list[Key]:
+    names = await owners(store)
+    return [key_view(k, names) for k in await visible_keys(store, principal)]
+
+
+@post("/api/keys", status_code=201, **SIGNED_IN, dto=StrictBody,
+      responses=refusals(400, 401, 403, 404, 415))
+async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principal],
+                     store: NamedDependency[Store],
+                     controller: NamedDependency[SkipValidation[Controller]]) -> NewKeyMade:
+    # (The controller is not checked against its type: a test stands in an object with a
+    # catalog for it.)
+    return await make_key(store, controller.catalog, principal, data)
 
 
 @delete("/api/keys/{prefix:str}", status_code=200, **SIGNED_IN,
@@ -196,9 +233,7 @@ async def create_key(data: JSONBody[NewKey], principal: NamedDependency[Principa
 async def revoke_key(prefix: FromPath[str], principal: NamedDependency[Principal],
                      store: NamedDependency[Store],
                      api_keys: NamedDependency[KeyCache]) -> KeyRevoked:
-    await _visible_key(store, principal, prefix)
-    await store.revoke_api_key(prefix, datetime.now(UTC))
-    api_keys.forget(prefix)
+    await revoke(store, api_keys, principal, prefix)
     return KeyRevoked(prefix)
 
 
@@ -210,11 +245,8 @@ async def change_key(prefix: FromPath[str], data: JSONBody[KeyChange],
     """Change a key's limits: ``{"limits": {"rpm": 60, "tpm": null}}`` sets rpm, lifts tpm
     and keeps the others. This server applies it from the key's next request on,
     others sharing the store within ``auth.key_cache_s``."""
-    await _visible_key(store, principal, prefix)
-    _admin_for_limits(principal)
-    record = await store.update_api_key_limits(prefix, **data.limits.given())
-    api_keys.forget(prefix)
-    return _key(record, await _owners(store))
+    record = await set_limits(store, api_keys, principal, prefix, data.limits.given())
+    return key_view(record, await owners(store))
 
 
 # Dates as written (2025-03-01); read by _date, which words a bad one.
@@ -228,13 +260,16 @@ async def key_usage(prefix: FromPath[str], principal: NamedDependency[Principal]
                     until: Annotated[str | None, DateParam] = None) -> KeyUsage:
     """What the key used, per model and UTC day from ``since`` to ``until`` (dates, both
     included; by default the last 30 days), and where it stands against each limit now."""
-    key = await _visible_key(store, principal, prefix)
+    key = await visible_key(store, principal, prefix)
     now = datetime.now(UTC)
-    last = _date(until, "until") or now.date()
-    first = _date(since, "since") or last - timedelta(days=USAGE_DAYS_DEFAULT - 1)
-    if first > last:
-        raise ApiError(400, f"since ({first}) is after until ({last})", param="since",
-                       code="invalid_value")
+    first, last = usage_period(since, until, now.date())
+    return await usage_report(store, key, first, last, now)
+
+
+async def usage_report(store: Store, key: ApiKeyRecord, first: date, last: date,
+                       now: datetime) -> KeyUsage:
+    """What ``key`` used per model and UTC day from ``first`` to ``last`` (both included),
+    and where it stands against each of its limits at ``now``."""
     records = await store.list_usage(key.id, since=first, until=last)
     counts = await store.usage_counts(key.id, now)
     return KeyUsage(
@@ -249,7 +284,26 @@ async def key_usage(prefix: FromPath[str], principal: NamedDependency[Principal]
     )
 
 
-def _date(raw: str | None, name: str) -> date | None:
+def usage_period(since: str | None, until: str | None, today: date, *,
+                 days: int = USAGE_DAYS_DEFAULT, max_days: int | None = None
+                 ) -> tuple[date, date]:
+    """The UTC days from ``since`` to ``until`` (dates as written, both included): by
+    default the ``days`` up to ``today``. A period longer than ``max_days`` is refused."""
+    last = parse_day(until, "until") or today
+    first = parse_day(since, "since") or last - timedelta(days=days - 1)
+    if first > last:
+        raise ApiError(400, f"since ({first}) is after until ({last})", param="since",
+                       code="invalid_value")
+    if max_days is not None and (last - first).days + 1 > max_days:
+        raise ApiError(400, f"from {first} to {last} is {(last - first).days + 1} days; "
+                       f"ask for {max_days} days or fewer at a time", param="since",
+                       code="invalid_value")
+    return first, last
+
+
+def parse_day(raw: str | None, name: str) -> date | None:
+    """A date as written (2025-03-01), or None for nothing; a bad one is refused naming
+    ``name``."""
     if raw is None or raw == "":
         return None
     try:
