@@ -51,6 +51,10 @@ ChosenBuilds = Mapping[str, str]
 DEFAULT_CHOICE = "default"
 # Where a node's build of an engine comes from (BuildChoice.source).
 CHOSEN, SERVER_YAML, BY_DEFAULT = "node", "server.yaml", "default"
+# What decided a node's build of an engine, in words (ctl nodes, the cluster page).
+BUILD_SOURCE_WORDS = {CHOSEN: "chosen for this node",
+                      SERVER_YAML: "server.yaml's engine_overrides",
+                      BY_DEFAULT: "nothing chose one: the node takes its best"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from collections import Counter
 from llmgw.cli.ctl.client import call
 from llmgw.cli.ctl.commands import Commands
 from llmgw.cli.ctl.output import done, print_json, show
+from llmgw.core.desired_engines import BUILD_SOURCE_WORDS
 
 _COLUMNS = ["node", "state", "address", "llmgw", "fabric", "gpus", "engines", "builds",
             "weights", "replicas", "warnings"]
@@ -93,17 +94,13 @@ def nodes_revoke(args: argparse.Namespace) -> None:
 
 
 # What decided a node's build, in the words ctl prints (EngineBuildView.source).
-_SOURCES = {"node": "chosen for this node", "server.yaml": "server.yaml's engine_overrides",
-            "default": "nothing chose one: the node takes its best"}
-
-
 def engine_build(args: argparse.Namespace) -> None:
     path = "/api/nodes/{}/engine-builds/{}".format(
         *(urllib.parse.quote(part, safe="") for part in (args.node, args.engine)))
     reply = call(args, "PUT", path, {"build": args.choice})
     build = reply["build"]
-    done(args, reply, f"{args.node} {args.engine}: {build['build']} "
-                      f"({_SOURCES.get(build['source'], build['source'])}); {reply['told']}")
+    source = BUILD_SOURCE_WORDS.get(build["source"], build["source"])
+    done(args, reply, f"{args.node} {args.engine}: {build['build']} ({source}); {reply['told']}")
 
 
 def add_parsers(commands: Commands) -> None:

@@ -18,7 +18,7 @@ from litestar.response import Template
 
 from llmgw import wire
 from llmgw.core.builds import BUILD_NAMES
-from llmgw.core.desired_engines import BY_DEFAULT, BuildChoice
+from llmgw.core.desired_engines import BUILD_SOURCE_WORDS, BY_DEFAULT, BuildChoice
 from llmgw.server.admin.engine_builds import set_engine_build
 from llmgw.server.admin.nodes import EngineBuildView, NodeView, engine_build_view, node_view
 from llmgw.server.agents.sessions import NodeSession, session_of_record
@@ -31,9 +31,6 @@ from llmgw.store import StoreUnavailable
 NODES = f"{PREFIX}/nodes"
 PER_PAGE = 100  # rows of the list: a page stays well under 100 KB however large the cluster
 HELD_SHOWN = 20  # weights keys shown per directory
-# What decided a node's build of an engine (EngineBuildView.source), as ctl says it.
-BUILD_SOURCES = {"node": "chosen for this node", "server.yaml": "server.yaml's engine_overrides",
-                 "default": "nothing chose one: the node takes its best"}
 _X86 = ("x86_64", "amd64", "i686", "i386")
 
 
@@ -144,7 +141,7 @@ def build_rows(node: NodeView, register: wire.Register) -> list[BuildRow]:
             note = f"this node's agent cannot install {engine}"
         elif engine in node.disabled_engines:
             note = f"this node disables {engine} (agent.yaml disable_engines)"
-        rows.append(BuildRow(engine, view, BUILD_SOURCES.get(view.source, view.source), note))
+        rows.append(BuildRow(engine, view, BUILD_SOURCE_WORDS.get(view.source, view.source), note))
     return rows
 
 
@@ -209,7 +206,7 @@ async def engine_build_post(request: Request, node_id: str, engine: str) -> Resp
     _, fields = await posted(request, admin=True)
     done = await set_engine_build(request.app.state.controller, node_id, engine,
                                   fields.get("build", ""))
-    source = BUILD_SOURCES.get(done.build.source, done.build.source)
+    source = BUILD_SOURCE_WORDS.get(done.build.source, done.build.source)
     raise GoTo(node_href(node_id),
                flash=f"{node_id} {engine}: {done.build.build} ({source}); {done.told}")
 
