@@ -145,7 +145,8 @@ async def open_page(request: Request, *, admin: bool = False) -> Page:
         raise GoTo(f"{PREFIX}/setup")
     viewer = await viewer_of(request)
     if viewer is None:
-        raise GoTo(f"{PREFIX}/login?next={quote(request.url.path)}")
+        here = request.url.path if request.url.path != PREFIX else f"{PREFIX}/"
+        raise GoTo(f"{PREFIX}/login?next={quote(here)}")
     if admin and not viewer.is_admin:
         raise ApiError(403, "this page is for admins; ask one to give you the admin role",
                        code="admin_required")
