@@ -22,15 +22,13 @@ With ``--bundle``, an air-gapped control plane is set up from a bundle: the bund
 imported into ``<dir>/mirror`` first (checked against ``--trusted-key`` and ``--sha256``;
 nothing else is written when it is refused), and server.yaml trusts those keys, names the
 bundle's engines at its versions, and declares each of its models with one replica
-(``offline_settings``).
+(``bundle.settings.offline_settings``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
-import re
 import socket
 import sys
 from pathlib import Path
@@ -41,17 +39,12 @@ import psutil
 from llmgw import pki
 from llmgw.config import (
     BundleSettings,
-    EngineRelease,
     Listen,
-    Model,
-    Profile,
     ServerConfig,
     ServerTls,
     dump,
 )
-from llmgw.core.engine_names import INSTALLABLE
-from llmgw.core.names import NameRuleError, check_model_name, hostport, unbracket, url_host
-from llmgw.core.weights import SourceError, check_patterns
+from llmgw.core.names import hostport, unbracket, url_host
 from llmgw.files import write_atomically
 
 if TYPE_CHECKING:
@@ -59,7 +52,6 @@ if TYPE_CHECKING:
 
 DEFAULT_DIR = ServerConfig().state_dir
 # One part of a GGUF split in parts: llama.cpp loads the first, which finds the rest.
-_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 
 class InitError(Exception):
@@ -145,7 +137,7 @@ def init(directory: Path, addresses: list[str], key_type: str = "ecdsa", *,
     """Make the CA, the server certificate, the admin token and server.yaml in
     ``directory``; returns (server.yaml's path, the CA's SHA-256 fingerprint). Both
     listeners go on ``listen``, or where ``listen_host`` puts them for ``addresses``.
-    ``settings``: more of server.yaml's keys (``offline_settings``)."""
+    ``settings``: more of server.yaml's keys (``bundle.settings.offline_settings``)."""
     directory = directory.expanduser().resolve()
     secrets, tls = directory / "secrets", directory / "tls"
     config_path = directory / "server.yaml"
@@ -205,60 +197,6 @@ def import_into(directory: Path, bundle: Path, trusted_keys: list[str],
         raise InitError(f"the bundle {bundle} was not imported: {err}") from None
 
 
-def offline_settings(manifest: Manifest, trusted_keys: list[str]
-                     ) -> tuple[dict[str, Any], list[str]]:
-    """server.yaml's keys for a control plane that serves ``manifest``'s bundle, and notes
-    for the operator. Each engine at the bundle's version (the first it lists, when it
-    holds several); each model with one replica, fetched from the mirror as the bundle
-    pinned it (every file the bundle holds of it), on llama.cpp when it has a .gguf file,
-    else on vLLM (which loads a Hugging Face model directory)."""
-    notes: list[str] = []
-    engines: dict[str, EngineRelease] = {}
-    for engine in manifest.engines:
-        if engine.name not in INSTALLABLE:
-            notes.append(f"the bundle's engine {engine.name} is not one nodes install; left "
-                         "out of server.yaml")
-        elif engine.name in engines:
-            notes.append(f"engines.{engine.name}: {engines[engine.name].version}; the bundle "
-                         f"also holds {engine.version}")
-        else:
-            engines[engine.name] = EngineRelease(version=engine.version)
-    if not engines:
-        notes.append("the bundle holds no engine nodes install: server.yaml names none, so "
-                     "nodes run only the engines their agent.yaml names")
-    models: list[Model] = []
-    for bundled in manifest.models:
-        try:
-            check_model_name(bundled.name)
-        except NameRuleError as err:
-            notes.append(f"the bundle's model {bundled.name!r} left out: {err}")
-            continue
-        if bundled.name in {m.name for m in models}:
-            notes.append(f"the bundle names model {bundled.name} twice; the first is declared")
-            continue
-        # The layout of bundle.manifest.model_path.
-        prefix = f"models/{bundled.repo}/{bundled.revision}/"
-        paths = sorted(p.removeprefix(prefix) for p in bundled.files if p.startswith(prefix))
-        engine = "llama.cpp" if any(p.lower().endswith(".gguf") for p in paths) else "vllm"
-        profile: dict[str, Any] = {"engine": engine,
-                                   "source": f"hf://{bundled.repo}@{bundled.revision}"}
-        # A name no pattern can say: no files, so every file the bundle holds of it.
-        with contextlib.suppress(SourceError):
-            profile["files"] = list(check_patterns(paths))
-        ggufs = [p for p in paths if p.lower().endswith(".gguf")
-                 and not p.rsplit("/", 1)[-1].startswith("mmproj")]
-        if len(ggufs) > 1 and not all(_SPLIT_GGUF.search(p) for p in ggufs):
-            notes.append(f"model {bundled.name} holds {len(ggufs)} GGUF files and llama.cpp "
-                         "loads one: keep that one in its files: in server.yaml")
-        if engine not in engines:
-            notes.append(f"model {bundled.name} runs on {engine}, which the bundle does not "
-                         "hold: nodes need it from elsewhere (engines: in server.yaml)")
-        models.append(Model(name=bundled.name, replicas=1, profiles=[Profile(**profile)]))
-    settings = {"engines": engines, "models": models,
-                "bundle": BundleSettings(trusted_keys=list(trusted_keys))}
-    return settings, notes
-
-
 def _where(host: str, port: int, agent_port: int, chosen: bool) -> str:
     shown = url_host(host)
     where = f"it listens on {shown}:{port} (API) and {shown}:{agent_port} (agent stream)"
@@ -279,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
             check_fresh(Path(args.dir), args.force)
             manifest = import_into(Path(args.dir), args.bundle, args.trusted_key or [],
                                    args.sha256)
+            from llmgw.bundle.settings import offline_settings
+
             settings, notes = offline_settings(manifest, args.trusted_key or [])
         elif args.trusted_key:
             settings = {"bundle": BundleSettings(trusted_keys=args.trusted_key)}

@@ -5,17 +5,21 @@ starts again in the same process. (tests/browser/ drives the same pages in Chrom
 
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
 import yaml
 
+from llmgw.bundle.mirror import current_manifest
 from llmgw.store import open_store
 from tests.integration.activation import listener, start_activated
+from tests.integration.bundles import Signer, make_bundle
 from tests.integration.cluster import wait_for
 from tests.pg import run_blocking
 
 SETUP = "/ui/setup"
+COMMIT = "4f1e2d3c4b5a69788796a5b4c3d2e1f0a1b2c3d4"  # the revision the bundle pins
 
 
 def _csrf(html: str) -> str:
@@ -167,3 +171,37 @@ async def _accounts(url: str) -> list:
         return await store.list_accounts()
     finally:
         await store.close()
+
+
+def test_setup_from_a_bundle_imports_it_and_declares_its_models(make_cluster, tmp_path):
+    signer = Signer.new()
+    gguf = tmp_path / "smollm2.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF" + os.urandom(512))
+    made = make_bundle(tmp_path / "bundle", signer, models={
+        "smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", COMMIT,
+                    {"smollm2.Q8_0.gguf": gguf})})
+    c, browser = _fresh(make_cluster)
+    mirror = c.server_state / "mirror"
+    with browser:
+        csrf = _csrf(browser.get(SETUP).text)
+        bundle = {"bundle": str(made.root), "model": "bundle", "csrf": csrf}
+        # Signed by someone else: refused, the mirror and the store as they were.
+        stranger = browser.post(SETUP, data={**_form(c.admin_token), **bundle,
+                                             "bundle_key": Signer.new().line})
+        assert stranger.status_code == 400
+        assert any(f"was not imported: the bundle is signed by key {signer.key_id}" in a
+                   for a in _alerts(stranger.text)), _alerts(stranger.text)
+        assert current_manifest(mirror) is None
+        assert c.admin("GET", "/api/users").json() == []
+
+        done = browser.post(SETUP, data={**_form(c.admin_token), **bundle,
+                                         "bundle_key": signer.line,
+                                         "bundle_sha256": made.sha256})
+        assert done.status_code == 303, _alerts(done.text)
+        flash = browser.get("/ui/").text.replace("&#39;", "'")
+        assert "imported into the mirror; model 'smollm2' declared." in flash
+    assert current_manifest(mirror) == made.manifest
+    [model] = [m for m in c.admin("GET", "/api/models").json() if m["name"] == "smollm2"]
+    [profile] = model["spec"]["profiles"]
+    assert profile["source"] == f"hf://HuggingFaceTB/SmolLM2-135M-Instruct-GGUF@{COMMIT}"
+    assert (profile["engine"], profile["files"]) == ("llama.cpp", ["smollm2.Q8_0.gguf"])

@@ -23,6 +23,9 @@ from typing import Any
 from litestar import Request, get, post
 from litestar.response import Template
 
+from llmgw.bundle.manifest import BundleError, Manifest
+from llmgw.bundle.mirror import configured_dir, import_bundle
+from llmgw.bundle.settings import offline_settings
 from llmgw.core.names import NameRuleError, check_username
 from llmgw.server.admin.accounts import session_cookie
 from llmgw.server.admin.common import client_address
@@ -84,6 +87,9 @@ async def setup_page(request: Request) -> Template:
 
 
 def _model_spec(fields: dict[str, str], problems: dict[str, str]) -> dict[str, Any] | None:
+    if fields.get("model") == "bundle" and not fields.get("bundle", "").strip():
+        problems["bundle"] = ("to declare the bundle's models, give the bundle's path; or "
+                              "choose another first model")
     if fields.get("model") != "add":
         return None
     files = [f.strip() for f in fields.get("model_files", "").split(",") if f.strip()]
@@ -99,6 +105,30 @@ def _model_spec(fields: dict[str, str], problems: dict[str, str]) -> dict[str, A
         problems["model_name" if err.param == "name" else "model_source"] = str(err)
         return None
     return written
+
+
+async def _import_bundle(request: Request, fields: dict[str, str],
+                         problems: dict[str, str]) -> Manifest | None:
+    """The bundle named in the form, checked and imported into the mirror (every file
+    against its signed manifest, before anything enters it); None when none is named."""
+    path = fields.get("bundle", "").strip()
+    if not path:
+        return None
+    key = fields.get("bundle_key", "").strip()
+    if not key:
+        problems["bundle_key"] = ("give the public key of whoever made the bundle "
+                                  "(llmgw-bundle-ed25519:…, as `llmgw bundle keygen` printed "
+                                  "it); the bundle's signature is checked against it")
+        return None
+    mirror = configured_dir(request.app.state.config)
+    sha256 = fields.get("bundle_sha256", "").strip() or None
+    try:
+        imported = await asyncio.to_thread(import_bundle, Path(path), mirror, [key],
+                                           sha256=sha256)
+    except BundleError as err:
+        problems["bundle"] = f"the bundle {path} was not imported: {err}"
+        return None
+    return imported.manifest
 
 
 async def _check_store(request: Request, fields: dict[str, str],
@@ -156,18 +186,29 @@ async def setup_post(request: Request) -> Any:
     move_to = await _check_store(request, fields, problems)
     if problems:
         return await _form(request, kept, problems, 400)
+    manifest = await _import_bundle(request, fields, problems)
+    if problems:
+        return await _form(request, kept, problems, 400)
     store: Store = state.store
     account = await store.add_account(AccountRecord(
         username=username, password_hash=await state.hasher.hash(password), role="admin",
         created_at=datetime.now(UTC)))
     said = [f"admin account {username!r} made"]
-    if model is not None:
-        async with state.models_lock:
-            if await store.get_model(model["name"]) is None:
-                await store.put_model(model["name"], stored_spec(API, model))
-                await state.controller.set_catalog(catalog_of(
-                    await entries(store, state.config)))
-                said.append(f"model {model['name']!r} declared")
+    if manifest is not None:
+        said.append(f"bundle of {manifest.created_at:%Y-%m-%d} imported into the mirror")
+    models = [model] if model is not None else []
+    if manifest is not None and fields.get("model") == "bundle":
+        settings, notes = offline_settings(manifest, [])
+        models = [{"name": m.name, "replicas": m.replicas, "profiles": [
+            {k: v for k, v in (("engine", p.engine), ("source", p.source),
+                               ("files", list(p.files))) if v} for p in m.profiles]}
+            for m in settings["models"]]
+        for note in notes:
+            log.info("setup from the bundle: %s", note)
+    declared = await _declare(request, models)
+    if declared:
+        said.append(f"model{'s' if len(declared) > 1 else ''} "
+                    + ", ".join(repr(n) for n in declared) + " declared")
     await store.put_setting(SETUP_SETTING, True)
     state.setup_done = True
     log.info("setup done from the page: %s", "; ".join(said))
@@ -176,6 +217,22 @@ async def setup_post(request: Request) -> Any:
         said.append(await _move(request, move_to))
     done = GoTo(f"{PREFIX}/", "Set up: " + "; ".join(said) + ".")
     return session_cookie(go_to(request, done), request, token, expires)
+
+
+async def _declare(request: Request, models: list[dict[str, Any]]) -> list[str]:
+    """Declare ``models`` as the API would (a name already taken is left as it is)."""
+    state = request.app.state
+    store: Store = state.store
+    declared = []
+    async with state.models_lock:
+        for model in models:
+            if await store.get_model(model["name"]) is None and not any(
+                    m.name == model["name"] for m in state.config.models):
+                await store.put_model(model["name"], stored_spec(API, model))
+                declared.append(model["name"])
+        if declared:
+            await state.controller.set_catalog(catalog_of(await entries(store, state.config)))
+    return declared
 
 
 async def _move(request: Request, url: str) -> str:
