@@ -156,6 +156,9 @@ class Model(_Config):
     # A model that fits nowhere may evict replicas of models with a lower priority.
     priority: int = 0
     nodes: Selector = msgspec.field(default_factory=Selector)
+    # Other names clients may send as `model` for this one (`gpt-4o-mini` for a local
+    # model): listed by /v1/models, served by this model's replicas.
+    aliases: list[str] = []
 
 
 class Gateway(_Config):
@@ -333,9 +336,8 @@ class WeightsDirectory(_Config):
 
 class Weights(_Config):
     # Where the agent looks for weights; fetched weights go to the first one that is not
-    # shared. Created at start when missing.
-    directories: Annotated[list[WeightsDirectory], msgspec.Meta(min_length=1)] = msgspec.field(
-        default_factory=lambda: [WeightsDirectory(path="/var/lib/llmgw-weights")])
+    # shared. Created at start when missing. Unset: see AgentConfig.weights_directories.
+    directories: Annotated[list[WeightsDirectory], msgspec.Meta(min_length=1)] | None = None
     # The Hugging Face-style hub hf:// sources are fetched from. Unset: the mirror of the
     # control plane the agent is connected to, when it serves an imported bundle, else
     # https://huggingface.co.
@@ -362,11 +364,15 @@ class AgentTls(_Config):
     key_file: str
 
 
+DEFAULT_AGENT_STATE_DIR = "/var/lib/llmgw-agent"
+DEFAULT_WEIGHTS_DIR = "/var/lib/llmgw-weights"
+
+
 class AgentConfig(_Config):
     servers: Annotated[list[str], msgspec.Meta(min_length=1)]
     node_id: str | None = None
     address: str | None = None
-    state_dir: str = "/var/lib/llmgw-agent"
+    state_dir: str = DEFAULT_AGENT_STATE_DIR
     # systemd: transient units on the manager at systemd_bus; process: plain children;
     # auto: systemd where a manager answers there, else processes (logged).
     runtime: Literal["auto", "process", "systemd"] = "auto"
@@ -398,6 +404,17 @@ class AgentConfig(_Config):
     stop_shards_on_exit: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tracing: Tracing = msgspec.field(default_factory=Tracing)
+
+    def weights_directories(self) -> list[WeightsDirectory]:
+        """The weights directories agent.yaml names, else one that follows state_dir:
+        ``<state_dir>/weights``, so that an agent run from elsewhere never writes to
+        /var/lib. With the default state_dir it stays /var/lib/llmgw-weights, where nodes
+        set up before kept their weights."""
+        if self.weights.directories is not None:
+            return self.weights.directories
+        if self.state_dir == DEFAULT_AGENT_STATE_DIR:
+            return [WeightsDirectory(path=DEFAULT_WEIGHTS_DIR)]
+        return [WeightsDirectory(path=str(Path(self.state_dir) / "weights"))]
 
 
 # --- loading -------------------------------------------------------------------------------

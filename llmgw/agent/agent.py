@@ -21,6 +21,7 @@ import aiohttp
 
 from llmgw import __version__, pki, wire
 from llmgw.agent import self_upgrade
+from llmgw.agent.client_errors import describe
 from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable, client_context
 from llmgw.agent.discovery import gpus, host, infiniband
 from llmgw.agent.install.manager import EngineInstaller
@@ -143,7 +144,7 @@ class Agent:
         self._term = 0
         self.tracing = Tracing(config.tracing, default_service="llmgw-agent",
                                instance=self.node_id)
-        self.weights = WeightsStore.from_config(config.weights)
+        self.weights = WeightsStore.from_config(config)
         self.weights.tracing = self.tracing
         # The inventory the control plane has: a probe that finds it changed sends it.
         self._inventory_sent: wire.Inventory | None = None
@@ -335,6 +336,8 @@ class Agent:
                     reason = str(err)
                 except host.NoRoute as err:
                     reason = str(err)
+                except aiohttp.ClientConnectorError as err:
+                    reason = describe(err)
                 except (aiohttp.ClientError, OSError, TimeoutError, wire.WireError) as err:
                     reason = f"{type(err).__name__}: {err}"
                 finally:

@@ -23,6 +23,7 @@ import psutil
 from opentelemetry import trace
 
 from llmgw import engines, wire
+from llmgw.agent.client_errors import describe
 from llmgw.agent.discovery import gpus, host
 from llmgw.agent.runtime.base import Runtime, ShardRecord, ShardStartError
 from llmgw.agent.weights import WeightsError, WeightsStore, model_path
@@ -419,7 +420,7 @@ class ShardSupervisor:
                 return None if resp.status == 200 else f"{record.health_path} answered " \
                     f"{resp.status}"
         except (aiohttp.ClientError, TimeoutError) as err:
-            return f"{record.health_path}: {type(err).__name__} {err}".strip()
+            return f"{record.health_path}: {describe(err)}"
 
     async def _until_ready(self, record: ShardRecord, exit_task: asyncio.Task,
                            timeout_s: float) -> bool:

@@ -130,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
                        description="Run a server (SQLite), a local agent and one small model "
                        "on this machine, and print how to call it. Ctrl-C stops all of it.")
     p.add_argument("--port", type=int, default=8080, help="the API's port (default 8080)")
+    p.add_argument("--port-range", metavar="LOW-HIGH", default=None,
+                   help="the ports the engines may take, as agent.yaml's port_range "
+                   "(default 20000-20999)")
     p.add_argument("--state-dir", default=None,
                    help="where llmgw keeps its files (default ~/.local/state/llmgw)")
     p.add_argument("--engine", choices=["llama.cpp", "sim"], default="llama.cpp",

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
+import psutil
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -118,12 +121,72 @@ def demo_model(args: argparse.Namespace) -> Demo:
     return Demo(model, {"llama.cpp": cfg.EnginePath(binary=server)})
 
 
+def engine_port_range(text: str | None) -> tuple[int, int] | None:
+    """``--port-range LOW-HIGH``: agent.yaml's port_range, the engines' ports."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    low, high = (int(match[1]), int(match[2])) if match else (0, 0)
+    if not match or not 1 <= low <= high <= 65535:
+        raise UpError(f"--port-range {text}: write LOW-HIGH, two ports from 1 to 65535, the "
+                      "lower first (for example --port-range 30000-30999)")
+    return low, high
+
+
+def port_taken(port: int) -> str | None:
+    """None when the server could listen on 127.0.0.1:``port``; else why not, in words:
+    who holds the port where the OS says so."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the server binds: a port whose last connection is in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return f"port {port} cannot be used: {err.strerror}"
+            return f"port {port} is taken by {_holder(port)}"
+    return None
+
+
+def _holder(port: int) -> str:
+    """The process listening on ``port``, as far as this user may see it."""
+    try:
+        listeners = [c for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    except (psutil.Error, OSError):
+        return "another program (which one is not visible to this user)"
+    pid = next((c.pid for c in listeners if c.pid), None)
+    if pid is None:
+        return "another program (another user's: run `ss -ltnp` as root to see which)"
+    try:
+        proc = psutil.Process(pid)
+        command = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        return f"pid {pid}"
+    command = command if len(command) <= 80 else command[:79] + "…"
+    return f"pid {pid} ({command})"
+
+
+def _free_port_near(port: int) -> int | None:
+    """A port after ``port`` that is free now, to suggest."""
+    return next((p for p in range(port + 1, min(port + 50, 65536)) if port_taken(p) is None),
+                None)
+
+
+def port_refusal(port: int, why: str) -> str:
+    """Why `up` cannot use ``port``, and what to pass instead."""
+    other = _free_port_near(port)
+    choose = f"--port {other} (free now)" if other else "--port N with a port that is free"
+    return f"{why}; stop it, or give the API another port: {choose}"
+
+
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(base) / "llmgw"
 
 
-def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
+def write_configs(state: Path, port: int, demo: Demo,
+                  port_range: tuple[int, int] | None = None) -> tuple[Path, Path]:
     server = cfg.ServerConfig(
         listen=cfg.Listen(host="127.0.0.1", port=port),
         state_dir=str(state / "server"),
@@ -142,6 +205,8 @@ def write_configs(state: Path, port: int, demo: Demo) -> tuple[Path, Path]:
         runtime="process",
         stop_shards_on_exit=True,
     )
+    if port_range is not None:
+        agent.port_range = port_range
     server_path, agent_path = state / "server.yaml", state / "agent.yaml"
     header = "# written by `llmgw up`; it is rewritten on every run\n"
     server_path.write_text(header + cfg.dump(server))
@@ -245,6 +310,17 @@ def up(args: argparse.Namespace) -> int:
     # arrives ignored, and Ctrl-C or `kill -INT` would then stop nothing.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # Before anything starts (a first build takes minutes): a port taken is said at once,
+    # with what holds it, rather than as the server's exit code after the build.
+    try:
+        port_range = engine_port_range(args.port_range)
+    except UpError as err:
+        console.print(f"[red]llmgw up: {err}[/]")
+        return 2
+    taken = port_taken(args.port)
+    if taken:
+        console.print(f"[red]llmgw up: {port_refusal(args.port, taken)}[/]", soft_wrap=True)
+        return 1
     state = Path(args.state_dir) if args.state_dir else default_state_dir()
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -255,7 +331,7 @@ def up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     model_name = demo.name
-    server_path, agent_path = write_configs(state, args.port, demo)
+    server_path, agent_path = write_configs(state, args.port, demo, port_range)
     server_config = cfg.load(server_path, cfg.ServerConfig)
     (state / "server").mkdir(exist_ok=True, mode=0o700)
     try:
@@ -297,7 +373,11 @@ def up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as err:
-        console.print(f"[red]llmgw up: {err}[/]; see {logs}/")
+        # Taken between the check above and the server's start: say so rather than its
+        # exit code.
+        taken = port_taken(args.port) if procs[0].poll() is not None else None
+        words = port_refusal(args.port, taken) if taken else str(err)
+        console.print(f"[red]llmgw up: {words}[/]; see {logs}/", soft_wrap=True)
         return 1
     finally:
         console.print("stopping…")

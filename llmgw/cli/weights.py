@@ -93,7 +93,7 @@ def _list(args: argparse.Namespace) -> int:
 
     try:
         config = load(args.config, AgentConfig)
-        store = WeightsStore.from_config(config.weights)
+        store = WeightsStore.from_config(config)
     except (ConfigError, WeightsError) as err:
         print(f"llmgw weights list: {err}", file=sys.stderr)
         return 2

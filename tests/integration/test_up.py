@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from tests.integration.cluster import free_port, wait_for
+from tests.integration.cluster import free_port, free_port_block, wait_for
 
 
 @pytest.mark.parametrize(("engine_args", "model"), [
@@ -26,6 +26,10 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path, llama_cp
     # llama_cpp: the build `llmgw up` would start is done (and timed) by the fixture.
     port = free_port()
     state = tmp_path / "state"
+    engine_ports = None
+    if model == "sim-small":  # and its engine on the ports it is given
+        engine_ports = free_port_block(10)
+        engine_args = [*engine_args, "--port-range", "-".join(map(str, engine_ports))]
     out_path = tmp_path / "up.out"
     with open(out_path, "wb") as out:
         up = subprocess.Popen(
@@ -61,6 +65,8 @@ def test_up_serves_the_demo_model_and_ctrl_c_stops_everything(tmp_path, llama_cp
         records = [json.loads(p.read_text())
                    for p in (state / "agent" / "shards").glob("*.json")]
         assert len(records) == 1
+        if engine_ports:
+            assert engine_ports[0] <= records[0]["port"] <= engine_ports[1]
         children = psutil.Process(up.pid).children()
         watched = [*children, psutil.Process(records[0]["pid"])]
         assert len(children) == 2, "up runs a server and an agent"

@@ -515,11 +515,12 @@ def test_an_unreadable_directory_is_noted(tmp_path):
 
 
 def test_the_store_from_agent_yaml_reads_the_token_file(tmp_path):
-    from llmgw.config import Weights, WeightsDirectory
+    from llmgw.config import AgentConfig, Weights, WeightsDirectory
 
     def weights(token_file):
-        return Weights(directories=[WeightsDirectory(path=str(tmp_path / "w"), shared=True)],
-                       hub="http://mirror.example:8080/", token_file=token_file)
+        return AgentConfig(servers=["http://127.0.0.1:8080"], weights=Weights(
+            directories=[WeightsDirectory(path=str(tmp_path / "w"), shared=True)],
+            hub="http://mirror.example:8080/", token_file=token_file))
 
     (tmp_path / "token").write_text("hf_abc\n")
     s = WeightsStore.from_config(weights(str(tmp_path / "token")))

@@ -177,7 +177,7 @@ def gather(config: AgentConfig | None = None, servers: Sequence[str] | None = No
         ram_available_mib=available, gpus=gpu_discovery.discover_gpus(src.nvml),
         infiniband=discover_infiniband(src.infiniband_root),
         engine_dir=_dir_fact(cfg.state_dir, False, src.disk),
-        weights=tuple(_dir_fact(d.path, d.shared, src.disk) for d in cfg.weights.directories),
+        weights=tuple(_dir_fact(d.path, d.shared, src.disk) for d in cfg.weights_directories()),
         servers=tuple(_server_fact(url, cfg, src) for url in urls),
         tls=read_tls(tls.ca_file, tls.cert_file, tls.key_file) if tls else None,
         now=src.clock(), user=_whoami())

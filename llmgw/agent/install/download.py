@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
+from llmgw.agent.client_errors import describe
 from llmgw.agent.install.pypi import InstallError
 
 CHUNK = 2**20
@@ -38,14 +39,6 @@ def check_sha256(sha256: str) -> str:
 def shown(url: str | URL) -> str:
     """A URL for messages: without its query, which may carry a signature."""
     return str(URL(url).with_query(None).with_fragment(None))
-
-
-def _why(err: BaseException) -> str:
-    if isinstance(err, TimeoutError):
-        return "timed out"
-    if isinstance(err, aiohttp.ClientPayloadError):
-        return "the connection closed before the end"
-    return str(err) or type(err).__name__
 
 
 async def download(session: aiohttp.ClientSession, url: str, dest: Path, *, sha256: str,
@@ -107,13 +100,13 @@ async def _fetch(session: aiohttp.ClientSession, url: str, part: Path, max_bytes
             except (aiohttp.ClientError, TimeoutError) as err:
                 of = f" of {total}" if total is not None else ""
                 raise InstallError(f"GET {shown(url)} broke off after {done}{of} bytes: "
-                                   f"{_why(err)}") from None
+                                   f"{describe(err)}") from None
             if total is not None and done != total:
                 raise InstallError(f"GET {shown(url)} ended after {done} of {total} bytes: "
                                    "the download is truncated")
         await asyncio.to_thread(out.write, bytes(buffer))
     except (aiohttp.ClientError, TimeoutError) as err:
-        raise InstallError(f"GET {shown(url)}: {_why(err)}") from None
+        raise InstallError(f"GET {shown(url)}: {describe(err)}") from None
     finally:
         await asyncio.to_thread(out.close)
     return hasher.hexdigest()

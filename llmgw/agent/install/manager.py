@@ -36,6 +36,7 @@ import msgspec
 from opentelemetry.context import Context
 
 from llmgw import wire
+from llmgw.agent.client_errors import describe
 from llmgw.agent.control_plane import ControlPlane, TlsFilesUnusable, is_mirrored
 from llmgw.agent.discovery import gpus, host
 from llmgw.agent.install import ospkg
@@ -432,7 +433,7 @@ class EngineInstaller:
                 text = (await resp.content.read(_DIGESTS_MAX_BYTES)).decode(errors="replace")
         except (aiohttp.ClientError, TimeoutError) as err:
             raise InstallError(f"cannot read the sha256 list {want.digests_url}: "
-                               f"{type(err).__name__}: {err}") from None
+                               f"{describe(err)}") from None
         digest = parse_digests(text, asset)
         if digest is None:
             raise InstallError(f"{want.digests_url} gives no sha256 for {asset}")

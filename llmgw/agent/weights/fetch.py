@@ -21,6 +21,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
+from llmgw.agent.client_errors import describe
 from llmgw.agent.weights.manifest import (
     CHUNK,
     MANIFEST,
@@ -95,14 +96,6 @@ class _Sink:
         self.file.close()
 
 
-def _why(err: BaseException) -> str:
-    if isinstance(err, TimeoutError):
-        return "timed out"
-    if isinstance(err, aiohttp.ClientPayloadError):
-        return "the connection closed before the end"
-    return str(err) or type(err).__name__
-
-
 def _show(url: URL) -> str:
     """A URL for messages: without its query, which may carry a signature."""
     return str(url.with_query(None).with_fragment(None))
@@ -160,7 +153,7 @@ class Hub:
                 resp = await self.http.get(url, headers=headers, allow_redirects=False,
                                            ssl=self.ssl if own else True)
             except (aiohttp.ClientError, TimeoutError) as err:
-                raise WeightsError(f"fetching {label}: GET {_show(url)}: {_why(err)}") from None
+                raise WeightsError(f"fetching {label}: GET {_show(url)}: {describe(err)}") from None
             if resp.status in _REDIRECTS and "Location" in resp.headers:
                 location = resp.headers["Location"]
                 resp.release()
@@ -219,7 +212,7 @@ class Hub:
                             raise WeightsError(f"fetching {label}: the listing of {src.repo} "
                                                f"is larger than {size_text(MAX_LISTING_BYTES)}")
                 except (aiohttp.ClientError, TimeoutError) as err:
-                    raise WeightsError(f"fetching {label}: GET {_show(url)}: {_why(err)}") \
+                    raise WeightsError(f"fetching {label}: GET {_show(url)}: {describe(err)}") \
                         from None
                 following = resp.links.get("next")
             try:
@@ -267,7 +260,7 @@ class Hub:
                 except (aiohttp.ClientError, TimeoutError) as err:
                     raise WeightsError(
                         f"fetching {label}: GET {_show(resp.url)} broke off after "
-                        f"{part_of(sink.written + len(buffer), f.size)}: {_why(err)}") from None
+                        f"{part_of(sink.written + len(buffer), f.size)}: {describe(err)}") from None
                 if buffer:
                     await asyncio.to_thread(sink.write, bytes(buffer))
         finally:

@@ -32,7 +32,7 @@ from llmgw.agent.weights.manifest import (
     size_text,
     write_manifest_file,
 )
-from llmgw.config import Weights
+from llmgw.config import AgentConfig
 from llmgw.core.weights import Source, SourceError, check_patterns, directory_name, parse_source
 from llmgw.tracing import OFF, Tracing, end
 
@@ -75,8 +75,10 @@ class WeightsStore:
         self.tracing: Tracing = OFF
 
     @classmethod
-    def from_config(cls, weights: Weights) -> WeightsStore:
-        """From agent.yaml's ``weights`` (config.Weights); reads the token file."""
+    def from_config(cls, config: AgentConfig) -> WeightsStore:
+        """From agent.yaml's ``weights`` (directories resolved against state_dir); reads
+        the token file."""
+        weights = config.weights
         token = None
         if weights.token_file:
             try:
@@ -87,7 +89,8 @@ class WeightsStore:
                                    f"{why}") from None
             if not token:
                 raise WeightsError(f"weights.token_file {weights.token_file} is empty")
-        return cls([(Path(d.path), d.shared) for d in weights.directories], weights.hub, token)
+        return cls([(Path(d.path), d.shared) for d in config.weights_directories()],
+                   weights.hub, token)
 
     # -- scanning ----------------------------------------------------------------------------
 
