@@ -46,7 +46,16 @@ def server_url(args: argparse.Namespace) -> str:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    return args.token or os.environ.get("LLMGW_TOKEN") or saved_session().get("token")
+    return _token_and_source(args)[0]
+
+
+def _token_and_source(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The token ctl sends, and where it took it from, in words."""
+    if args.token:
+        return args.token, "--token"
+    if os.environ.get("LLMGW_TOKEN"):
+        return os.environ["LLMGW_TOKEN"], "$LLMGW_TOKEN"
+    return saved_session().get("token"), f"the session saved in {session_file()}"
 
 
 def call(args: argparse.Namespace, method: str, path: str, payload: dict | None = None,
@@ -91,6 +100,9 @@ def _open(args: argparse.Namespace, request: urllib.request.Request,
             message = json.loads(err.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = err.reason
+        if err.code == 401 and request.has_header("Authorization"):
+            # Which token was refused: a stale $LLMGW_TOKEN hides a fresh login.
+            message += f" (ctl sent the token from {_token_and_source(args)[1]})"
         raise CtlError(f"{request.get_method()} {request.selector}: {err.code} {message}",
                        EXIT_REFUSED) from None
     except (urllib.error.URLError, OSError) as err:

@@ -1,16 +1,22 @@
 """How a ctl command is added to the parser: the options every command takes, groups of
-commands, and the one place a `CtlError` becomes a message and an exit code."""
+commands, and the one place a `CtlError` (or a reader that left) becomes an exit code."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
 from collections.abc import Callable
 
 from llmgw.cli.ctl.client import DEFAULT_SERVER, CtlError
 
 Handler = Callable[[argparse.Namespace], None]
+
+# What a shell reports for a command a closed pipe ended (128 + SIGPIPE): not 1, which
+# ctl's callers read as "the server refused".
+EXIT_READER_GONE = 128 + signal.SIGPIPE
 
 
 class Commands:
@@ -63,7 +69,26 @@ def _common_options(default: object = None) -> argparse.ArgumentParser:
 def _run(func: Handler, args: argparse.Namespace) -> int:
     try:
         func(args)
+        # A reader that left shows here, not in the flush at exit, where it cannot be caught.
+        sys.stdout.flush()
     except CtlError as err:
         print(f"llmgw ctl: {err}", file=sys.stderr)
         return err.code
+    except BrokenPipeError:  # ``| head -1`` read what it wanted and closed the pipe
+        _drop_stdout()
+        return EXIT_READER_GONE
     return 0
+
+
+def _drop_stdout() -> None:
+    """Send what is left in stdout's buffer to /dev/null: Python flushes stdout again at
+    exit, and would print a traceback of the closed pipe then."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a test's buffer): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

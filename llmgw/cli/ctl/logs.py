@@ -2,14 +2,13 @@
 
 The output goes to stdout as it comes, byte for byte, each piece flushed at once; with
 ``--follow`` it goes on until Ctrl-C or the shard stops. A reader that stops reading
-(``| head``) ends it quietly.
+(``| head``) ends it quietly, as it ends every ctl command (`commands`).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import os
 import sys
 from urllib.parse import quote, urlencode
 
@@ -34,25 +33,20 @@ def logs(args: argparse.Namespace) -> None:
             except (OSError, http.client.HTTPException) as err:
                 raise CtlError(f"the output from {server_url(args)} broke off: "
                                f"{err or type(err).__name__}", EXIT_UNREACHABLE) from None
-            if not piece or not _write(piece):
+            if not piece:
                 return
+            _write(piece)
 
 
-def _write(piece: bytes) -> bool:
-    """Write to stdout now; False once nobody reads it any more."""
-    try:
-        out = getattr(sys.stdout, "buffer", None)
-        if out is None:  # a text stream in place of stdout
-            sys.stdout.write(piece.decode(errors="replace"))
-        else:
-            out.write(piece)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # Python flushes stdout again at exit, and would complain of the closed pipe then.
-        with open(os.devnull, "wb") as devnull:
-            os.dup2(devnull.fileno(), sys.stdout.fileno())
-        return False
-    return True
+def _write(piece: bytes) -> None:
+    """Write to stdout now. Once nobody reads it, BrokenPipeError ends the command
+    quietly (`commands`)."""
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:  # a text stream in place of stdout
+        sys.stdout.write(piece.decode(errors="replace"))
+    else:
+        out.write(piece)
+    sys.stdout.flush()
 
 
 def add_parsers(commands: Commands) -> None:

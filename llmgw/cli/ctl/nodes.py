@@ -85,7 +85,9 @@ def nodes_add(args: argparse.Namespace) -> None:
 def nodes_revoke(args: argparse.Namespace) -> None:
     reply = _act(args, "revoke")
     if reply["revoked"]:
-        text = (f"revoked {args.node}: certificate serial(s) {', '.join(reply['revoked'])}; "
+        # In hex, as the server's and agents' logs print serials (the API gives decimal).
+        serials = ", ".join(f"{int(s):x}" for s in reply["revoked"])
+        text = (f"revoked {args.node}: certificate serial(s) {serials}; "
                 "its agent stream is closed and every handshake refused. To let it back, "
                 f"llmgw ctl nodes add {args.node} and join it again")
     else:

@@ -26,6 +26,13 @@ def table(rows: list[dict], columns: list[str], title: str | None = None,
     from rich.console import Console
     from rich.table import Table
 
+    class PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit with 1, ctl's "refused": let ctl end it as it ends any
+            # command whose reader left (`commands`).
+            self.quiet = True
+            raise BrokenPipeError
+
     shown = Table(title=title, title_justify="left")
     for n, column in enumerate(columns):
         if whole:
@@ -34,7 +41,7 @@ def table(rows: list[dict], columns: list[str], title: str | None = None,
             shown.add_column(column)
     for row in rows:
         shown.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    Console(highlight=False).print(shown)
+    PipeAwareConsole(highlight=False).print(shown)
 
 
 def show(args: argparse.Namespace, value: list[dict], columns: list[str], title: str,

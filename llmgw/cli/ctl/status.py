@@ -84,7 +84,8 @@ def _fabric_rows(reply: dict) -> list[dict]:
         rows.append({"fabric": fabric or "no fabric",
                      "nodes": ", ".join(f"{n['id']} ({n['state']})" for n in nodes),
                      "gpus": sum(len(n["gpus"]) for n in nodes),
-                     "replicas": ", ".join(sorted(r for n in nodes for r in n["replicas"]))
+                     # A replica on two of the fabric's nodes is named once.
+                     "replicas": ", ".join(sorted({r for n in nodes for r in n["replicas"]}))
                      or "-",
                      "weights of": ", ".join(weights) or "-"})
     return rows

@@ -235,7 +235,7 @@ async def revoke(name: NodeName, principal: NamedDependency[Principal],
     node = _node(name)
     serials = await store.revoke_node_certs(node, datetime.now(UTC))
     log.warning("%s revoked node %s: certificate serial(s) %s", principal.username, node,
-                ", ".join(serials) or "none unexpired")
+                ", ".join(f"{int(s):x}" for s in serials) or "none unexpired")
     for callback in list(on_revoked):
         try:
             await callback(node, serials)

@@ -12,6 +12,7 @@ from litestar import get
 from litestar.di import NamedDependency
 
 from llmgw.core.catalog import Model
+from llmgw.core.inventory import NodeState
 from llmgw.core.replicas import Replica, ReplicaState
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server.admin.common import ADMIN
@@ -165,10 +166,13 @@ def _replica_view(r: Replica, in_flight: dict[str, int], reason: str) -> Replica
 def weights_held(model: Model, sessions: Iterable[NodeSession]) -> list[WeightsHeld]:
     """Where the model's weights are, per fabric: weights in one fabric are no use in
     another without a slow copy over the management network. A shared filer counts once,
-    however many nodes see it."""
+    however many nodes see it. A lost node's weights do not count: no replica can be
+    placed there, and what it holds may not be there when it comes back."""
     keys = {model.weights_key(p) for p in model.profiles}
     fabrics: dict[str | None, WeightsHeld] = {}
     for session in sessions:
+        if session.state is NodeState.LOST:
+            continue
         inv = session.register.inventory
         for directory in inv.weights_dirs or [None]:
             held = set(directory.held) if directory else set(inv.weights)

@@ -16,7 +16,8 @@ from litestar.handlers import BaseRouteHandler
 from litestar.openapi.spec import SecurityScheme
 from litestar.types import Guard
 
-from llmgw.server.auth.sessions import Principal, require_json, resolve
+from llmgw.server.auth.keys import bearer, key_id
+from llmgw.server.auth.sessions import SESSION_PREFIX, Principal, require_json, resolve
 from llmgw.server.errors import ApiError
 
 # How the OpenAPI document names what ``signed_in`` and ``admin_only`` take; a guarded
@@ -31,11 +32,31 @@ LOGIN_REQUIRED = ("log in first (POST /api/auth/login), or send the admin token 
                   "`Authorization: Bearer …`")
 
 
+def _not_let_in(connection: ASGIConnection) -> str:
+    """Why a request without a caller was refused: a bearer token it sent and what that
+    token is not, or that it sent none."""
+    token = bearer(connection.headers.get("authorization"))
+    if not token:
+        return LOGIN_REQUIRED
+    if token.startswith(SESSION_PREFIX):
+        given = ("the session token given has ended (logged out, expired, or its account "
+                 "disabled)")
+    elif key_id(token) is not None:
+        given = ("the token given is an API key, which is for /v1 only, not the admin "
+                 "token nor a session")
+    else:
+        given = "the token given is not the admin token nor a live session"
+    return (f"{given}; log in again (POST /api/auth/login, `llmgw ctl login USER`), or "
+            "send the admin token (the server's secrets/admin-token, or the file "
+            "auth.admin_token_file names)")
+
+
 async def _caller(connection: ASGIConnection) -> Principal:
     state = connection.app.state
     principal = await resolve(connection, state.admin_token, state.store)
     if principal is None:
-        raise ApiError(401, LOGIN_REQUIRED, code="login_required")
+        # One code whatever the reason: a script tells these apart by it, not the words.
+        raise ApiError(401, _not_let_in(connection), code="login_required")
     connection.scope["user"] = principal
     return principal
 
