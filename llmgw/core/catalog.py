@@ -60,6 +60,8 @@ class Model:
     description: str = ""
     priority: int = 0
     selector: Selector = Selector()
+    # Other names clients may send as `model` for this one (core.catalog.Catalog.resolve).
+    aliases: tuple[str, ...] = ()
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -71,18 +73,75 @@ class Model:
 @dataclass(frozen=True, slots=True)
 class Catalog:
     models: tuple[Model, ...] = field(default=())
-    # Looked up on every /v1 request: by name, not by a scan of the models.
+    # By name only: what the controller, placement and metrics look models up by.
     _by_name: dict[str, Model] = field(init=False, repr=False, compare=False, hash=False)
+    # By every name a client may send (names and aliases): looked up on every /v1
+    # request, so one dict lookup, not a scan of the models.
+    _served: dict[str, Model] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # reversed: where two models share a name, the first is the one found.
         object.__setattr__(self, "_by_name", {m.name: m for m in reversed(self.models)})
+        served = {alias: m for m in reversed(self.models) for alias in m.aliases}
+        # A model's own name wins over another's alias (catalog_from_config and
+        # name_taken refuse both; a merged catalog may still hold one, see server.catalog).
+        served.update(self._by_name)
+        object.__setattr__(self, "_served", served)
 
     def get(self, name: str) -> Model | None:
+        """The model called ``name``; an alias is not a name (``resolve`` takes both)."""
         return self._by_name.get(name)
+
+    def resolve(self, requested: str) -> Model | None:
+        """The model a client's ``model`` names: by its name or by one of its aliases."""
+        return self._served.get(requested)
 
     def names(self) -> list[str]:
         return [m.name for m in self.models]
+
+    def served_names(self) -> list[Name]:
+        """Every name a client may send, each model's own then its aliases, in catalog
+        order: what GET /v1/models lists."""
+        return [Name(n, m) for m in self.models for n in (m.name, *m.aliases)
+                if self._served.get(n) is m]
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """A name clients may send as ``model`` and the model it is served by (the model's
+    own name, or one of its aliases)."""
+
+    name: str
+    model: Model
+
+
+def may_use(allowed: list[str] | None, requested: str, model: Model) -> bool:
+    """Whether an API key whose model list is ``allowed`` (None: every model) may send
+    ``requested`` for ``model``: its list names the model, or the very name sent (an alias
+    of it). A key limited to an alias may use the model by that alias only."""
+    return allowed is None or requested in allowed or model.name in allowed
+
+
+def name_taken(name: str, catalog: Catalog) -> str | None:
+    """What already answers to ``name`` in ``catalog`` ("model 'x'", "an alias of model
+    'x'"), None when nothing does."""
+    model = catalog.resolve(name)
+    if model is None:
+        return None
+    return f"model {model.name!r}" if model.name == name else f"an alias of model {model.name!r}"
+
+
+def clashes(model: Model, catalog: Catalog) -> tuple[str, str] | None:
+    """Why ``model`` cannot join ``catalog``: one of its names is already answered to
+    there. The key at fault (``name``, ``aliases[1]``) and words naming both models; None
+    when it can join."""
+    for k, name in enumerate((model.name, *model.aliases)):
+        taken = name_taken(name, catalog)
+        if taken is not None:
+            key, what = ("name", "name") if k == 0 else (f"aliases[{k - 1}]", "alias")
+            return key, (f"{what} {name!r} of model {model.name!r} is already {taken}; each "
+                         "name a client may send must name one model: rename or drop one")
+    return None
 
 
 def model_from_config(raw: config.Model, where: str = "model") -> Model:
@@ -145,6 +204,17 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 slots=p.slots,
             )
         )
+    aliases = []
+    for k, alias in enumerate(raw.aliases):
+        try:
+            check_model_name(alias)
+        except NameRuleError as err:
+            raise CatalogError(f"{where}.aliases[{k}]: {err}") from None
+        if alias == raw.name or alias in aliases:
+            raise CatalogError(f"{where}.aliases[{k}]: {alias!r} is "
+                               + ("the model's own name" if alias == raw.name
+                                  else "listed twice") + "; drop it")
+        aliases.append(alias)
     return Model(
         name=raw.name,
         profiles=tuple(profiles),
@@ -152,8 +222,20 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
         description=raw.description,
         priority=raw.priority,
         selector=Selector(tuple(sorted(raw.nodes.labels.items())), raw.nodes.gpu_class),
+        aliases=tuple(aliases),
     )
 
 
 def catalog_from_config(models: list[config.Model]) -> Catalog:
-    return Catalog(tuple(model_from_config(m, f"models[{i}]") for i, m in enumerate(models)))
+    """server.yaml's models as a catalog; a CatalogError naming the entry when one is not
+    servable, or when one of its names or aliases is another's."""
+    catalog = Catalog()
+    for i, raw in enumerate(models):
+        model = model_from_config(raw, f"models[{i}]")
+        clash = clashes(model, catalog)
+        # The same name twice is config._check's to say (it reads the file first).
+        if clash is not None and catalog.get(model.name) is None:
+            key, why = clash
+            raise CatalogError(f"models[{i}].{key}: {why}")
+        catalog = Catalog((*catalog.models, model))
+    return catalog

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import msgspec
 
 from llmgw import config
-from llmgw.core.catalog import Catalog, CatalogError, Model, model_from_config
+from llmgw.core.catalog import Catalog, CatalogError, Model, clashes, model_from_config
 from llmgw.store import Store, StoredModel
 
 log = logging.getLogger(__name__)
@@ -107,18 +107,33 @@ async def entries(store: Store, settings: config.ServerConfig) -> list[Entry]:
             model = dataclasses.replace(model, replicas=override)
         result.append(Entry(CONFIG, msgspec.to_builtins(raw), model, raw.replicas, override))
     in_config = {m.name for m in settings.models}
+    so_far = catalog_of(result)
     for name, kept in sorted(stored.items()):
         if kept.source != API or name in in_config:
             continue
+        where = f"model {name} (added over the API)"
         try:
-            raw, model = parse_model(kept.model, f"model {name} (added over the API)")
+            raw, model = parse_model(kept.model, where)
         except ModelError as err:
             # An upgrade may have tightened a rule: serve the rest, say what to do.
             log.error("%s; not served: fix it with `llmgw ctl models remove %s` and add it "
                       "again", err, name)
             continue
+        clash = clashes(model, so_far)
+        if clash is not None:
+            # server.yaml took one of its names (or aliases) since it was added.
+            log.error("%s: %s; not served: remove it (`llmgw ctl models remove %s`) or "
+                      "change server.yaml", where, clash[1], name)
+            continue
         result.append(Entry(API, kept.model, model, raw.replicas, None))
+        so_far = Catalog((*so_far.models, model))
     return result
+
+
+def clash_with_catalog(items: list[Entry], raw: config.Model) -> tuple[str, str] | None:
+    """Why ``raw`` (checked by ``parse_model``) cannot be added beside ``items``: the key
+    of a name or alias of it that is taken, and words naming both; None when it can."""
+    return clashes(model_from_config(raw), catalog_of(items))
 
 
 def catalog_of(items: list[Entry]) -> Catalog:

@@ -100,3 +100,14 @@ async def test_async_client_every_endpoint(cluster):
                                                      file=("a.wav", AUDIO, "audio/wav"))
     assert heard.text == HEARD
     await client.close()
+
+
+def test_retrieve_a_model(cluster):
+    """``models.retrieve``: the model as the list has it; a name with a `/` (sent as %2F)
+    reaches the route on each server, and one not served is a 404 in OpenAI's envelope."""
+    client = _sync(cluster)
+    assert client.models.retrieve(MODEL) == next(iter(client.models.list()))
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve(f"org/{MODEL}")
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.body["message"].startswith(f"the model 'org/{MODEL}' does not exist")

@@ -176,7 +176,7 @@ async def make_key(store: Store, catalog: Catalog, principal: Principal,
             raise ApiError(404, f"no user named {data.owner!r}", param="owner",
                            code="user_not_found")
         account_id = owner.id
-    unknown = [m for m in data.models or [] if catalog.get(m) is None]
+    unknown = [m for m in data.models or [] if catalog.resolve(m) is None]  # or an alias
     if unknown:
         raise ApiError(400, f"no such model: {', '.join(unknown)}; see GET /v1/models",
                        param="models", code="model_not_found")

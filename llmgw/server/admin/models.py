@@ -35,6 +35,7 @@ from llmgw.server.catalog import (
     Entry,
     ModelError,
     catalog_of,
+    clash_with_catalog,
     declared,
     entries,
     parse_model,
@@ -193,6 +194,9 @@ async def add_to_catalog(parts: ModelParts, new: NewModel) -> ModelView:
             raise ApiError(409, f"model {name!r} exists ({where}): scale it with `llmgw "
                            f"ctl models scale {name} N`, or remove it first",
                            param="name", code="model_exists")
+        clash = clash_with_catalog(await entries(store, config), new.model)
+        if clash is not None:
+            raise ApiError(409, clash[1], param=clash[0], code="model_exists")
         # As the operator wrote it (checked above), as server.yaml keeps what it was given.
         await store.put_model(name, stored_spec(API, new.written))
         log.info("model %s added over the API", name)

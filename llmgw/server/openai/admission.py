@@ -17,12 +17,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import msgspec
+import multipart
 
+from llmgw.core.catalog import may_use
 from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
 from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
 from llmgw.server.openai.router import Lease, Saturated
 from llmgw.store import ApiKeyRecord
+from llmgw.transport.pool import JSON_TYPE
 
 if TYPE_CHECKING:
     from llmgw.config import ServerConfig
@@ -83,14 +86,17 @@ class Ask:
     replicas that did not take it, and why)."""
 
     __slots__ = ("_affinity", "admitted", "body", "content_type", "head", "key", "kind",
-                 "model", "path", "refusals", "replica_due", "stream", "tried")
+                 "model", "path", "refusals", "replica_due", "requested", "stream", "tried")
 
     def __init__(self, path: str, kind: str, head: Head, body: bytes, content_type: bytes,
                  key: ApiKeyRecord | None) -> None:
         self.path = path
         self.kind = kind
         self.head = head
-        self.model: str = head.model  # type: ignore[assignment]  # parsing checked it
+        # What the client sent as ``model``; ``model`` is the catalog's name for it once
+        # ``decide`` resolved an alias (``serve_as``), which routing, usage and metrics use.
+        self.requested: str = head.model  # type: ignore[assignment]  # parsing checked it
+        self.model = self.requested
         self.stream = head.stream
         self.body = body
         self.content_type = content_type
@@ -116,6 +122,16 @@ class Ask:
                 bytes(head.user), bytes(memoryview(conversation)[:DEFAULT_PREFIX_BYTES]))
         return self._affinity  # type: ignore[return-value]
 
+    def serve_as(self, name: str) -> None:
+        """The client sent an alias of model ``name``: the request is that model's from
+        here on, and its body names it, as its engine serves it (an engine refuses a
+        ``model`` it was not started with)."""
+        self.model = name
+        if self.content_type == JSON_TYPE:
+            self.body = json_with_model(self.body, name)
+        else:
+            self.body = form_with_model(self.body, self.content_type, name)
+
     def refused_by(self, replica: str, why: str) -> None:
         """``replica`` did not take the request (no engine worked on it): try another."""
         self.tried.add(replica)
@@ -134,11 +150,17 @@ def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
     the key may use the model (403), the model exists (404), the key's limits admit it
     (waits for the store), a replica not yet tried has a free slot (waits in its queue).
     The lease, when there is one, is the caller's to release."""
-    model = ask.model
+    requested = ask.requested
     catalog = state.controller.catalog
     allowed = ask.key.allowed_models if ask.key is not None else None
-    if catalog.get(model) is None or (allowed is not None and model not in allowed):
-        return not_usable(catalog, model, allowed)
+    # One lookup by the name sent, an alias or the model's own (catalog.may_use, inline).
+    served = catalog.resolve(requested)
+    if served is None or (allowed is not None and requested not in allowed
+                          and served.name not in allowed):
+        return not_usable(catalog, requested, allowed)
+    model = served.name
+    if model != ask.model:  # an alias, the first time it is decided on
+        ask.serve_as(model)
     if not ask.admitted:
         return Wait.LIMITS
     router = state.router
@@ -222,10 +244,16 @@ async def authorize(state: GatewayContext, authorization: str | None) -> ApiKeyR
 def not_usable(catalog: Catalog, name: str, allowed: list[str] | None) -> ApiError:
     """Why a key (``allowed``: its models, None for all) may not use model ``name``: it is
     not among the key's (403), or there is no such model (404, with close names)."""
-    visible = [m for m in catalog.names() if allowed is None or m in allowed]
-    if catalog.get(name) is not None:
+    if catalog.resolve(name) is not None:
         return ApiError(403, f"this API key may not use model {name!r}", param="model",
                         code="model_not_allowed")
+    return not_listed(catalog, name, allowed)
+
+
+def not_listed(catalog: Catalog, name: str, allowed: list[str] | None) -> ApiError:
+    """The 404 of a model name that GET /v1/models does not list to a key (``allowed``:
+    its models, None for all), with the close names it does list."""
+    visible = [n.name for n in catalog.served_names() if may_use(allowed, n.name, n.model)]
     if len(name) > _LONGEST_NAME:
         # No model is called that: no close names (difflib indexes every character of
         # it, seconds of the event loop for a body's worth), and not echoed whole.
@@ -234,5 +262,40 @@ def not_usable(catalog: Catalog, name: str, allowed: list[str] | None) -> ApiErr
         close = difflib.get_close_matches(name, visible, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else (
         f"; available: {', '.join(visible)}" if visible else "; no models are declared")
-    return ApiError(404, f"the model {name!r} does not exist{hint}", param="model",
+    # A limited key is not told which: what it may not use is not its to see.
+    what = "does not exist" if allowed is None else "does not exist or this API key may not use it"
+    return ApiError(404, f"the model {name!r} {what}{hint}", param="model",
                     code="model_not_found")
+
+
+# A JSON body's top-level fields, each kept as its bytes: what renaming ``model`` needs.
+_fields_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def json_with_model(body: bytes, name: str) -> bytes:
+    """``body`` (a JSON object, parsed before) with ``model`` set to ``name``, every other
+    field as the client wrote it, in its place."""
+    fields = _fields_decoder.decode(body)
+    fields["model"] = msgspec.Raw(msgspec.json.encode(name))
+    return msgspec.json.encode(fields)
+
+
+def form_with_model(body: bytes, content_type: bytes, name: str) -> bytes:
+    """``body`` (a multipart/form-data one, parsed before) with its ``model`` field's
+    value set to ``name``, every other part as the client wrote it. (The boundary cannot
+    occur inside a part, so splitting on it finds the parts.)"""
+    _, options = multipart.parse_options_header(content_type.decode("latin-1"))
+    delimiter = b"--" + options["boundary"].encode("latin-1")
+    parts = bytes(body).split(delimiter)
+    for i, part in enumerate(parts):
+        head, blank, value = part.partition(b"\r\n\r\n")
+        if not blank or not value.endswith(b"\r\n"):
+            continue
+        disposition = next((line for line in head.split(b"\r\n")
+                            if line[:20].lower() == b"content-disposition:"), None)
+        if disposition is None:
+            continue
+        _, fields = multipart.parse_options_header(disposition[20:].decode("latin-1"))
+        if fields.get("name") == "model" and "filename" not in fields:
+            parts[i] = head + blank + name.encode() + b"\r\n"
+    return delimiter.join(parts)

@@ -1,7 +1,8 @@
 """Forwarding one request to an engine, and writing its answer to the client, stream or not.
 
-The client's body is forwarded exactly as sent; only ``model`` and ``stream`` were read
-to route it. The answer is written through the server's BodyWriter where it offers one
+The client's body is forwarded exactly as sent (but for a request sent to an alias, whose
+``model`` admission set to the model's name); only ``model`` and ``stream`` were read to
+route it. The answer is written through the server's BodyWriter where it offers one
 (llmgw's own server does): a whole answer at once (``write_whole``), a streamed one chunk
 by chunk as the engine writes it, from the engine connection's callback, never buffered.
 Under another server it goes through the request's ASGI ``send``. Cancelling the task

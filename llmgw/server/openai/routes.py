@@ -13,6 +13,7 @@ import multipart
 from litestar import Request, asgi, get
 from litestar.types import ASGIApp, Receive, Scope, Send
 
+from llmgw.core.catalog import may_use
 from llmgw.core.usage import StreamUsage, Usage, answer_of, usage_from_body
 from llmgw.server.dependencies import from_states
 from llmgw.server.errors import ApiError, store_refusal
@@ -25,6 +26,7 @@ from llmgw.server.openai.admission import (
     authorize,
     decide,
     no_replica,
+    not_listed,
 )
 from llmgw.server.openai.direct import REFUSED, Exchange
 from llmgw.server.openai.proxy import ACCEPT_STREAM, Retryable, forward
@@ -246,7 +248,7 @@ class GatewayFront:
         endpoint, gateway = lease.endpoint, state.config.gateway
         answer = pool.send_now(
             endpoint.host, endpoint.port,
-            request_bytes(endpoint.host, endpoint.port, path, body,
+            request_bytes(endpoint.host, endpoint.port, path, ask.body,
                           ACCEPT_STREAM if ask.stream else JSON_TYPE),
             gateway.first_byte_timeout_s, gateway.idle_timeout_s)
         if answer is None:
@@ -365,12 +367,15 @@ class _Seen:
         status = self.status or 499
         seconds = time.perf_counter() - self.began
         kind = endpoint_kind(path)
-        self.metrics.request_done(self.model, kind, status, seconds, self.key, self.reported)
+        ask = self.ask
+        # The model an alias named, once admission resolved it: counted under its name.
+        model = self.model if ask is None else ask.model
+        self.metrics.request_done(model, kind, status, seconds, self.key, self.reported)
         if self.origin is None:
             return
-        ask, clock = self.ask, self.clock
+        clock = self.clock
         self.metrics.trail.record(Done(  # type: ignore[union-attr]  # origin: it is on
-            path=path, kind=kind, model=self.model, status=status, seconds=seconds,
+            path=path, kind=kind, model=model, status=status, seconds=seconds,
             stream=self.stream, first_token=None if clock is None else clock.first_token,
             usage=self.reported, response_model=self.response_model,
             replica=self.replica, retries=0 if ask is None else len(ask.tried),
@@ -462,6 +467,7 @@ async def _route(state: GatewayContext, ask: Ask, send: Send, progress: _Seen,
         lease = await admit(state, ask)
         if lease is None:
             break
+        progress.model = ask.model  # an alias's model, now admission resolved it
         progress.replica = lease.replica
         try:
             return await forward(state, lease, ask, send, progress, writer)
@@ -500,19 +506,38 @@ async def any_model_endpoint(scope: Scope, receive: Receive, send: Send) -> None
     await _litestar_route(scope, receive, send, path.split("?", 1)[0])
 
 
+def _model_object(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+
+
 @get("/v1/models", dependencies=from_states("gateway", "started_at"))
 async def list_models(request: Request, gateway: GatewayContext, started_at: float) -> dict:
+    """Every name the key may send as ``model``: models and their aliases."""
     record = await authorize(gateway, request.headers.get("authorization"))
     allowed = record.allowed_models if record else None
     created = int(started_at)
     return {
         "object": "list",
-        "data": [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for m in gateway.controller.catalog.models
-            if allowed is None or m.name in allowed
-        ],
+        "data": [_model_object(n.name, created)
+                 for n in gateway.controller.catalog.served_names()
+                 if may_use(allowed, n.name, n.model)],
     }
 
 
-ROUTES = [chat_completions, completions, embeddings, list_models, any_model_endpoint]
+@get("/v1/models/{model_id:path}", dependencies=from_states("gateway", "started_at"))
+async def retrieve_model(request: Request, gateway: GatewayContext, started_at: float,
+                         model_id: str) -> dict:
+    """One model (or alias) as GET /v1/models lists it; 404 for a name it does not list
+    to this key."""
+    record = await authorize(gateway, request.headers.get("authorization"))
+    allowed = record.allowed_models if record else None
+    name = model_id.removeprefix("/")  # a path parameter keeps its leading slash
+    model = gateway.controller.catalog.resolve(name)
+    if model is None or not may_use(allowed, name, model):
+        # Not listed to this key: not found, as GET /v1/models implies.
+        raise not_listed(gateway.controller.catalog, name, allowed)
+    return _model_object(name, int(started_at))
+
+
+ROUTES = [chat_completions, completions, embeddings, list_models, retrieve_model,
+          any_model_endpoint]

@@ -186,7 +186,7 @@ _ENGINE_PATH = r"^[A-Za-z0-9_~-][A-Za-z0-9._~-]*(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*
 _GATEWAY_REFUSALS = (400, 401, 403, 404, 413, 429, 502, 503, 504)
 
 _TYPES = (ChatRequest, CompletionRequest, EmbeddingRequest, AnyRequest, AnyForm,
-          ChatCompletion, Completion, Embeddings, ModelList, ErrorEnvelope)
+          ChatCompletion, Completion, Embeddings, ModelCard, ModelList, ErrorEnvelope)
 # With `"stream": true`: server-sent events, each described here (OpenAPI 3.1 has a
 # stream's schema describe one event).
 _STREAM = {"text/event-stream": {"schema": {
@@ -239,10 +239,21 @@ def gateway() -> tuple[dict[str, Any], dict[str, Any]]:
         "/v1/models": {"get": {
             "summary": "Models",
             "operationId": "v1Models",
-            "description": "the models this API key may use",
+            "description": "the models this API key may use, and their aliases",
             "security": [{"api_key": []}],
             "responses": {"200": {"description": "the models", "content": json_of(ModelList)},
                           "401": refused["401"]},
+        }},
+        "/v1/models/{model_id}": {"get": {
+            "summary": "Model",
+            "operationId": "v1Model",
+            "description": "one model (or alias) as GET /v1/models lists it",
+            "security": [{"api_key": []}],
+            "parameters": [{"name": "model_id", "in": "path", "required": True,
+                            "description": "a model's name or alias; it may hold `/`",
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the model", "content": json_of(ModelCard)},
+                          "401": refused["401"], "404": refused["404"]},
         }},
     }
     return paths, schemas
