@@ -36,7 +36,6 @@ from llmgw.store.records import (
     NodeRecord,
     SessionRecord,
     StoredModel,
-    UsageRecord,
 )
 
 NAMING_CONVENTION = {
@@ -210,16 +209,6 @@ class UsageDayRow(Base):
     requests: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
-
-    def to_record(self) -> UsageRecord:
-        return UsageRecord(
-            key_id=self.key_id,
-            model=self.model,
-            day=self.day,
-            requests=self.requests,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-        )
 
 
 class AccountRow(Base):

@@ -233,6 +233,33 @@ async def test_usage_is_recorded_per_key_model_and_day(store: Store) -> None:
         tokens_this_minute=22, tokens_today=25, tokens_this_month=25)
 
 
+async def test_usage_is_summed_by_the_store_over_what_a_report_leaves_out(store: Store
+                                                                          ) -> None:
+    one = await add_key(store, "llmgw_one")
+    two = await add_key(store, "llmgw_two")
+    await store.record_usage(one.id, "qwen", 10, 5, T)
+    await store.record_usage(one.id, "llama", 7, 0, T)
+    await store.record_usage(one.id, "qwen", 3, 3, NEXT_MINUTE)  # April 1st
+    await store.record_usage(two.id, "qwen", 100, 100, T)
+    march_31, april_1 = date(2025, 3, 31), date(2025, 4, 1)
+    both = {"since": march_31, "until": april_1}
+
+    def sums(records: list[UsageRecord]) -> list[tuple]:
+        return [(r.day, r.key_id, r.model, r.requests, r.total_tokens) for r in records]
+
+    assert sums(await store.sum_usage(("day", "model"), **both)) == [
+        (march_31, 0, "llama", 1, 7), (march_31, 0, "qwen", 2, 215),
+        (april_1, 0, "qwen", 1, 6)]
+    assert sums(await store.sum_usage(("key_id",), **both)) == [
+        (march_31, one.id, "", 3, 28), (march_31, two.id, "", 1, 200)]
+    assert sums(await store.sum_usage(("model",), **both, key_ids=[one.id])) == [
+        (march_31, 0, "llama", 1, 7), (march_31, 0, "qwen", 2, 21)]
+    # Every field kept: the rows as they are stored, as list_usage reads them.
+    assert await store.sum_usage(("day", "key_id", "model"), **both) == await store.list_usage(
+        since=march_31, until=april_1)
+    assert await store.sum_usage(("day",), since=april_1, until=april_1, key_ids=[]) == []
+
+
 async def test_many_keys_and_models_are_recorded_by_two_statements(store: Store) -> None:
     """As the gateway flushes a second's usage: every key and model at once, entries of the
     same pair added up, each key's windows counting all its models; two statements in all,

@@ -90,6 +90,15 @@ class NodeView(msgspec.Struct):
     engine_builds: dict[str, EngineBuildView] = {}
 
 
+def replicas_by_node(replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
+    """Each node's replicas, in one pass (not a scan of every replica per node)."""
+    found: dict[str, list[Replica]] = {}
+    for r in replicas:
+        for node_id in {s.node_id for s in r.shards}:
+            found.setdefault(node_id, []).append(r)
+    return found
+
+
 def node_view(session: NodeSession, replicas: Iterable[Replica],
               builds: Mapping[str, BuildChoice] | None = None) -> NodeView:
     """``builds``: its engines' build choices (``Controller.build_choices``)."""
@@ -133,7 +142,8 @@ def node_view(session: NodeSession, replicas: Iterable[Replica],
 
 @get("/api/nodes", **ADMIN, responses=refusals(401, 403))
 async def list_nodes(controller: NamedDependency[Controller]) -> list[NodeView]:
-    return [node_view(s, controller.replicas.values(), controller.build_choices(s.register))
+    on_node = replicas_by_node(controller.replicas.values())
+    return [node_view(s, on_node.get(s.node_id, ()), controller.build_choices(s.register))
             for s in controller.sessions.all()]
 
 

@@ -16,7 +16,7 @@ from llmgw.core.inventory import NodeState
 from llmgw.core.replicas import Replica, ReplicaState
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server.admin.common import ADMIN
-from llmgw.server.admin.nodes import NodeView, node_view
+from llmgw.server.admin.nodes import NodeView, node_view, replicas_by_node
 from llmgw.server.agents.sessions import NodeSession, session_of_record
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
@@ -115,32 +115,12 @@ async def cluster_status(controller: Controller, router: Router, throttle: Login
                          hasher: PasswordHasher, store: Store, leadership: Leadership
                          ) -> Status:
     """The cluster as this server sees it: ``/api/status``, and the cluster page's."""
-    in_flight = router.in_flight()
-    if controller.holds_lead:  # even while not sure of its lease
-        sessions = controller.sessions.all()
-    else:
-        try:
-            sessions = [session_of_record(r) for r in await store.list_nodes()]
-        except StoreUnavailable:
-            sessions = []  # the leader's records are out of reach: none to show
-    nodes = [node_view(s, controller.replicas.values(), controller.build_choices(s.register))
+    sessions = await known_sessions(controller, store)
+    on_node = replicas_by_node(controller.replicas.values())
+    nodes = [node_view(s, on_node.get(s.node_id, ()), controller.build_choices(s.register))
              for s in sessions]
-    replicas = [_replica_view(r, in_flight, r.reason)
-                for r in sorted(controller.replicas.values(), key=lambda r: r.id)]
-    # A lost node's replica is still routed to until its replacement serves.
-    replicas += [_replica_view(r, in_flight, "its node is lost; routed to while its engine "
-                               "answers, until the replacement serves")
-                 for r in sorted(controller.orphans.values(), key=lambda r: r.id)
-                 if r.state is ReplicaState.READY]
-    models = []
-    for m in controller.catalog.models:
-        held = weights_held(m, sessions)
-        models.append(ModelStatus(
-            name=m.name, replicas_wanted=m.replicas, priority=m.priority,
-            weights_in_fabrics=sorted({h.fabric for h in held if h.fabric}), weights=held,
-            replicas_ready=sum(1 for r in controller.replicas.values()
-                               if r.model == m.name and r.state.value == "ready"),
-            unplaced=controller.unplaced.get(m.name)))
+    replicas = replica_views(controller, router)
+    models = [model_status(m, controller, sessions) for m in controller.catalog.models]
     logins = Logins(tracked_addresses=len(throttle), throttle_capacity=throttle.capacity,
                     **hasher.stats())
     try:
@@ -154,6 +134,43 @@ async def cluster_status(controller: Controller, router: Router, throttle: Login
                for s in servers_seen]
     return Status(nodes=nodes, replicas=replicas, models=models, logins=logins,
                   leader=leader, answered_by=leadership.name, servers=servers)
+
+
+async def known_sessions(controller: Controller, store: Store) -> list[NodeSession]:
+    """The nodes as this server knows them: its own streams' sessions while it leads,
+    else the leader's records in the store (none while the store is out of reach)."""
+    if controller.holds_lead:  # even while not sure of its lease
+        return controller.sessions.all()
+    try:
+        return [session_of_record(r) for r in await store.list_nodes()]
+    except StoreUnavailable:
+        return []
+
+
+def replica_views(controller: Controller, router: Router, model: str | None = None
+                  ) -> list[ReplicaView]:
+    """The replicas (of ``model``, if given), and a lost node's replica still routed to
+    until its replacement serves."""
+    in_flight = router.in_flight()
+    views = [_replica_view(r, in_flight, r.reason)
+             for r in sorted(controller.replicas.values(), key=lambda r: r.id)
+             if model is None or r.model == model]
+    views += [_replica_view(r, in_flight, "its node is lost; routed to while its engine "
+                            "answers, until the replacement serves")
+              for r in sorted(controller.orphans.values(), key=lambda r: r.id)
+              if r.state is ReplicaState.READY and (model is None or r.model == model)]
+    return views
+
+
+def model_status(m: Model, controller: Controller, sessions: list[NodeSession]
+                 ) -> ModelStatus:
+    held = weights_held(m, sessions)
+    return ModelStatus(
+        name=m.name, replicas_wanted=m.replicas, priority=m.priority,
+        weights_in_fabrics=sorted({h.fabric for h in held if h.fabric}), weights=held,
+        replicas_ready=sum(1 for r in controller.replicas.values()
+                           if r.model == m.name and r.state.value == "ready"),
+        unplaced=controller.unplaced.get(m.name))
 
 
 def _replica_view(r: Replica, in_flight: dict[str, int], reason: str) -> ReplicaView:

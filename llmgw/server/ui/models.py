@@ -31,18 +31,17 @@ from llmgw.server.admin.models import (
     remove_from_catalog,
     set_replicas,
 )
-from llmgw.server.admin.status import ReplicaView
+from llmgw.server.admin.status import ReplicaView, known_sessions, model_status, replica_views
 from llmgw.server.catalog import CONFIG
 from llmgw.server.errors import ApiError
 from llmgw.server.ui.page import PREFIX, GoTo, Page, open_page, posted
-from llmgw.server.ui.pages import status_of
 
 MODELS = f"{PREFIX}/models"
 # What the page asks a node for, and shows of it: a tail, not the whole file.
 LOG_TAIL_BYTES = 32 * 1024
 LOG_LINES = 100
 # Bounds that keep a page well under 100 KB, however big the catalog or the model.
-SHOWN_MODELS = 80
+SHOWN_MODELS = 50
 SHOWN_SHARD_ROWS = 120
 SHOWN_REFUSALS = 100
 # The add form's fields, in its order; the engine preselected.
@@ -207,14 +206,19 @@ async def model_page(request: Request, name: str) -> Template:
             raise ApiError(403, "the engines' output is for admins, as on the API; ask one "
                            "to show it to you", code="admin_required")
         return page.render("model.html", **context)
-    status = await status_of(request)
-    replicas = [r for r in status.replicas if r.model == name]
+    # This model's part of /api/status only: not a view of every node.
+    controller = state.controller
+    replicas = replica_views(controller, state.router, name)
+    declared = controller.catalog.get(name)
+    status_model = (model_status(declared, controller,
+                                 await known_sessions(controller, state.store))
+                    if declared is not None else None)
     shown = _first_rows(replicas)
     log = await _log_tail(request, {r.id for r in replicas})
     refusals = state.controller.refusals_of(name)
     return page.render(
         "model.html", status_code=log.status if log is not None else 200, **context,
-        status_model=next((m for m in status.models if m.name == name), None),
+        status_model=status_model,
         replicas=shown, more_replicas=len(replicas) - len(shown),
         refusals=refusals[:SHOWN_REFUSALS], more_refusals=max(0, len(refusals) - SHOWN_REFUSALS),
         spec=_spec_yaml(view), log=log, log_lines=LOG_LINES)

@@ -94,6 +94,10 @@ class Attention(msgspec.Struct):
     href: str
 
 
+def _cut(text: str, room: int = 300) -> str:
+    return text if len(text) <= room else text[:room - 1] + "…"
+
+
 def attention(status: Status) -> list[Attention]:
     found = []
     for node in status.nodes:
@@ -103,15 +107,17 @@ def attention(status: Status) -> list[Attention]:
         for engine in node.engines:
             if engine.state == "failed":
                 found.append(Attention(f"{engine.name} failed to install on {node.id}: "
-                                       f"{engine.detail}", href))
+                                       f"{_cut(engine.detail)}", href))
         found.extend(Attention(f"{node.id}: {w}", href) for w in node.warnings)
     for replica in status.replicas:
         if replica.state == ReplicaState.FAILED:
             found.append(Attention(f"replica {replica.id} of {replica.model} failed: "
-                                   f"{replica.reason}", f"{PREFIX}/models/{replica.model}"))
+                                   f"{_cut(replica.reason)}",
+                                   f"{PREFIX}/models/{replica.model}"))
     for model in status.models:
         if model.unplaced:
-            found.append(Attention(f"{model.name} has no place: {model.unplaced}",
+            # One reason per node turned down: its page has them all.
+            found.append(Attention(f"{model.name} has no place: {_cut(model.unplaced)}",
                                    f"{PREFIX}/models/{model.name}"))
     return found
 

@@ -2,11 +2,12 @@
 charts, as tables, and as a CSV download of every row.
 
 Users see their own keys' usage, admins every key's. The numbers are the store's usage
-record (``Store.list_usage``: one row per key, model and UTC day), which each server
-flushes once a second. A period is at most ``MAX_DAYS`` long; the page stays small
-whatever it holds: longer periods are drawn a week a bar, the chart names the biggest
-models and adds the rest up as "other models", and the per-key table shows the biggest
-keys (the CSV has them all).
+record (one row per key, model and UTC day, which each server flushes once a second),
+summed by the database (``Store.sum_usage``): a 90-day page of 300 keys reads a few
+thousand sums, not tens of thousands of rows. A period is at most ``MAX_DAYS`` long; the
+page stays small whatever it holds: longer periods are drawn a week a bar, the chart
+names the biggest models and adds the rest up as "other models", and the per-key table
+shows the biggest keys (the CSV has them all).
 """
 
 from __future__ import annotations
@@ -194,13 +195,16 @@ class UsageView:
 
 
 def usage_view(keys: list[ApiKeyRecord], names: Mapping[int, str],
-               records: list[UsageRecord], first: date, last: date) -> UsageView:
-    """What the usage page shows of ``records`` (of ``keys``), from ``first`` to ``last``."""
+               records: list[UsageRecord], first: date, last: date,
+               by_key: list[UsageRecord] | None = None) -> UsageView:
+    """What the usage page shows of ``records`` (of ``keys``, by day and model at least),
+    from ``first`` to ``last``; ``by_key``: the same summed per key, where ``records``
+    do not say the key."""
     by_id = {k.id: k for k in keys if k.id is not None}
     total = Totals()
     for r in records:
         total.add(r)
-    keys_rows = per_key(records, by_id, names)
+    keys_rows = per_key(records if by_key is None else by_key, by_id, names)
     models = per_model(records)
     top = keys_rows[:TOP_KEYS_CHART]
     key_chart = stacked_bars(
@@ -221,17 +225,19 @@ def cut(text: str, room: int) -> str:
     return text if len(text) <= room else text[:room - 1] + "…"
 
 
-async def visible_usage(store: Store, principal: Principal, first: date, last: date
+async def visible_usage(store: Store, principal: Principal, first: date, last: date,
+                        by: tuple[str, ...] = ("day", "model")
                         ) -> tuple[list[ApiKeyRecord], list[UsageRecord]]:
     """The keys ``principal`` sees (their own; an admin every key) and those keys' usage
-    from ``first`` to ``last``, by day, key and model."""
+    from ``first`` to ``last``, summed by the store over what ``by`` leaves out."""
     keys = await visible_keys(store, principal)
-    if principal.is_admin:
-        return keys, await store.list_usage(since=first, until=last)
-    records = [r for k in keys if k.id is not None
-               for r in await store.list_usage(k.id, since=first, until=last)]
-    records.sort(key=lambda r: (r.day, r.key_id, r.model))
-    return keys, records
+    return keys, await store.sum_usage(by, since=first, until=last,
+                                       key_ids=_ids(principal, keys))
+
+
+def _ids(principal: Principal, keys: list[ApiKeyRecord]) -> list[int] | None:
+    """The keys whose usage ``principal`` sees; None for every key (an admin)."""
+    return None if principal.is_admin else [k.id for k in keys if k.id is not None]
 
 
 def _today() -> date:
@@ -267,12 +273,16 @@ async def usage_page(request: Request) -> Template:
                            since=query.get("since", ""), until=query.get("until", ""),
                            presets=presets, view=None, today=today.isoformat(),
                            max_days=MAX_DAYS, days=0)
-    keys, records = await visible_usage(request.app.state.store, page.viewer, first, last)
-    names = await owner_names(request.app.state.store) if page.is_admin else {}
+    store = request.app.state.store
+    keys, records = await visible_usage(store, page.viewer, first, last)
+    by_key = await store.sum_usage(("key_id",), since=first, until=last,
+                                   key_ids=_ids(page.viewer, keys))
+    names = await owner_names(store) if page.is_admin else {}
     return page.render(
         "usage.html", title="Usage", problem="", since=first.isoformat(),
         until=last.isoformat(), presets=presets, today=today.isoformat(), max_days=MAX_DAYS,
-        days=(last - first).days + 1, view=usage_view(keys, names, records, first, last))
+        days=(last - first).days + 1,
+        view=usage_view(keys, names, records, first, last, by_key))
 
 
 CSV_COLUMNS = ("day", "key", "owner", "model", "requests", "prompt_tokens",
@@ -305,7 +315,8 @@ async def usage_csv(request: Request) -> Response:
     assert page.viewer is not None
     first, last = period_of(request)
     store = request.app.state.store
-    keys, records = await visible_usage(store, page.viewer, first, last)
+    keys, records = await visible_usage(store, page.viewer, first, last,
+                                        by=("day", "key_id", "model"))
     names = await owner_names(store)
     return Response(
         usage_csv_text(keys, names, records), media_type="text/csv; charset=utf-8",
