@@ -13,6 +13,7 @@ from rich.table import Table
 
 from llmgw import engines
 from llmgw.agent.install import pypi
+from llmgw.cli.ctl.output import console as pipe_aware_console
 from llmgw.engines import check, llamacpp
 
 _HELP_TIMEOUT_S = 300  # vLLM imports torch before it prints anything
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    console = Console(highlight=False)
+    console = pipe_aware_console(highlight=False)
     binary = _binary(args, console)
     if binary is None:
         print(f"llmgw ctl engine-check: which {args.engine}? pass --binary PATH"

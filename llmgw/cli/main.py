@@ -13,6 +13,7 @@ from llmgw.cli import bundle as bundle_commands
 from llmgw.cli import ctl as ctl_commands
 from llmgw.cli import store as store_commands
 from llmgw.cli import weights as weights_commands
+from llmgw.cli.ctl.commands import reader_gone
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load
 from llmgw.core.catalog import CatalogError
 
@@ -162,7 +163,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, where it can be caught
+        return code
+    except BrokenPipeError:  # any command piped into `head`, ctl engine-check included
+        return reader_gone()
     except (ConfigError, CatalogError) as err:
         print(f"llmgw {args.command}: {err}", file=sys.stderr)
         return 2

@@ -70,6 +70,21 @@ def test_a_reader_that_left_ends_ctl_quietly(cluster, command):
     assert proc.returncode == 141  # as a shell reports a command a closed pipe ended
 
 
+def test_a_reader_that_left_ends_engine_check_quietly_too():
+    # engine-check prints with rich outside ctl's commands: the same end, from main.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "llmgw", "ctl", "engine-check", "sim"],
+                                stdin=subprocess.DEVNULL, stdout=write_end,
+                                stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    _, err = proc.communicate(timeout=60)
+    assert err.decode() == ""
+    assert proc.returncode == 141
+
+
 def test_head_gets_the_first_line_and_ctl_says_nothing(cluster):
     """The pipeline itself; whether ctl writes before or after head exits is up to the
     scheduler, and both must end quietly."""

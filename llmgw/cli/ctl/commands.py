@@ -75,9 +75,14 @@ def _run(func: Handler, args: argparse.Namespace) -> int:
         print(f"llmgw ctl: {err}", file=sys.stderr)
         return err.code
     except BrokenPipeError:  # ``| head -1`` read what it wanted and closed the pipe
-        _drop_stdout()
-        return EXIT_READER_GONE
+        return reader_gone()
     return 0
+
+
+def reader_gone() -> int:
+    """A closed stdout ends the command quietly: the exit code a shell reports for it."""
+    _drop_stdout()
+    return EXIT_READER_GONE
 
 
 def _drop_stdout() -> None:

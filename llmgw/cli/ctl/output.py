@@ -10,6 +10,20 @@ import argparse
 import json
 
 
+def console(**options):
+    """A rich Console whose reader leaving (a closed pipe) raises BrokenPipeError, for
+    the command to end as any command whose reader left (`commands.reader_gone`): rich
+    would exit with 1, ctl's "refused"."""
+    from rich.console import Console
+
+    class PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeAwareConsole(**options)
+
+
 def print_json(value) -> None:
     print(json.dumps(value, indent=2))
 
@@ -23,15 +37,7 @@ def table(rows: list[dict], columns: list[str], title: str | None = None,
     terminal folds a value onto more lines. Without it, rich's defaults: a word too long
     for its column is cut short, which keeps a wide overview readable on a narrow terminal.
     """
-    from rich.console import Console
     from rich.table import Table
-
-    class PipeAwareConsole(Console):
-        def on_broken_pipe(self) -> None:
-            # rich would exit with 1, ctl's "refused": let ctl end it as it ends any
-            # command whose reader left (`commands`).
-            self.quiet = True
-            raise BrokenPipeError
 
     shown = Table(title=title, title_justify="left")
     for n, column in enumerate(columns):
@@ -41,7 +47,7 @@ def table(rows: list[dict], columns: list[str], title: str | None = None,
             shown.add_column(column)
     for row in rows:
         shown.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    PipeAwareConsole(highlight=False).print(shown)
+    console(highlight=False).print(shown)
 
 
 def show(args: argparse.Namespace, value: list[dict], columns: list[str], title: str,
