@@ -353,6 +353,8 @@ in
       serviceConfig = {
         Type = "exec";
         ExecStart = start;
+        # `systemctl reload llmgw-server`: server.yaml read again (docs/operations.md).
+        ExecReload = "${pkgs.coreutils}/bin/kill -HUP $MAINPID";
         Restart = "on-failure";
         RestartSec = 2;
         DynamicUser = true;

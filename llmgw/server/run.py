@@ -23,6 +23,7 @@ from llmgw.server.app import build
 from llmgw.server.auth import load_admin_token
 from llmgw.server.catalog import sync_declared
 from llmgw.server.listen import listening_socket
+from llmgw.server.reload import Reloader
 from llmgw.store import Store, open_store
 from llmgw.store.lock import hold_state_lock
 from llmgw.store.urls import store_url
@@ -111,6 +112,8 @@ async def _serve(config: ServerConfig, catalog: Catalog, ready: asyncio.Event | 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
+        # `systemctl reload`: server.yaml read again, what can apply live applied.
+        loop.add_signal_handler(signal.SIGHUP, Reloader(server, config_path).on_signal)
         restart: list[Restart] = []
 
         def stop_and_restart() -> None:

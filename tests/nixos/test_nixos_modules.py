@@ -110,6 +110,9 @@ def test_the_server_unit(nix, systems, tmp_path):
         "StateDirectoryMode": "0700", "Restart": "on-failure",
     }.items():
         assert hardening.get(key) == value, key
+    # `systemctl reload`: SIGHUP to the server, which reads server.yaml again.
+    [reload] = values(service, "Service", "ExecReload")
+    assert reload.endswith("/bin/kill -HUP $MAINPID"), reload
     assert values(service, "Service", "SystemCallFilter") == ["@system-service", "~@privileged"]
     assert values(service, "Service", "RestrictAddressFamilies") == [
         "AF_INET", "AF_INET6", "AF_UNIX"]
