@@ -159,6 +159,9 @@ class Model(_Config):
     # Other names clients may send as `model` for this one (`gpt-4o-mini` for a local
     # model): listed by /v1/models, served by this model's replicas.
     aliases: list[str] = []
+    # Models (names or aliases) that serve this one's requests, tried in order, when it has
+    # no ready replica or its queue refuses, before anything was sent to an engine.
+    fallbacks: list[str] = []
 
 
 class Gateway(_Config):

@@ -62,6 +62,9 @@ class Model:
     selector: Selector = Selector()
     # Other names clients may send as `model` for this one (core.catalog.Catalog.resolve).
     aliases: tuple[str, ...] = ()
+    # Names (or aliases) of models that serve its requests when it cannot
+    # (Catalog.fallbacks_of), as written.
+    fallbacks: tuple[str, ...] = ()
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -78,6 +81,9 @@ class Catalog:
     # By every name a client may send (names and aliases): looked up on every /v1
     # request, so one dict lookup, not a scan of the models.
     _served: dict[str, Model] = field(init=False, repr=False, compare=False, hash=False)
+    # Each model that names fallbacks, by name: its whole chain, worked out once.
+    _chains: dict[str, tuple[Name, ...]] = field(init=False, repr=False, compare=False,
+                                                  hash=False)
 
     def __post_init__(self) -> None:
         # reversed: where two models share a name, the first is the one found.
@@ -87,6 +93,8 @@ class Catalog:
         # name_taken refuse both; a merged catalog may still hold one, see server.catalog).
         served.update(self._by_name)
         object.__setattr__(self, "_served", served)
+        object.__setattr__(self, "_chains", {m.name: self._chain(m) for m in self.models
+                                             if m.fallbacks})
 
     def get(self, name: str) -> Model | None:
         """The model called ``name``; an alias is not a name (``resolve`` takes both)."""
@@ -98,6 +106,31 @@ class Catalog:
 
     def names(self) -> list[str]:
         return [m.name for m in self.models]
+
+    def fallbacks_of(self, model: Model) -> tuple[Name, ...]:
+        """The models that serve ``model``'s requests when it cannot, in the order they are
+        tried: its own fallbacks as listed, then theirs, and so on (breadth first), each
+        once, never ``model`` itself; each as its fallback list names it."""
+        return self._chains.get(model.name, ()) if model.fallbacks else ()
+
+    def _chain(self, model: Model) -> tuple[Name, ...]:
+        # A name that resolves to nothing, or a cycle, is skipped: catalog_from_config and
+        # server.catalog refuse both, but a merged catalog may still hold one (a model
+        # removed over the API that another names).
+        chain: list[Name] = []
+        seen = {model.name}
+        level = [model]
+        while level:
+            following = []
+            for current in level:
+                for name in current.fallbacks:
+                    fallback = self.resolve(name)
+                    if fallback is not None and fallback.name not in seen:
+                        seen.add(fallback.name)
+                        chain.append(Name(name, fallback))
+                        following.append(fallback)
+            level = following
+        return tuple(chain)
 
     def served_names(self) -> list[Name]:
         """Every name a client may send, each model's own then its aliases, in catalog
@@ -141,6 +174,46 @@ def clashes(model: Model, catalog: Catalog) -> tuple[str, str] | None:
             key, what = ("name", "name") if k == 0 else (f"aliases[{k - 1}]", "alias")
             return key, (f"{what} {name!r} of model {model.name!r} is already {taken}; each "
                          "name a client may send must name one model: rename or drop one")
+    return None
+
+
+def fallback_problems(catalog: Catalog) -> list[tuple[str, str, str]]:
+    """Fallbacks that cannot be followed, as (model, key, why): a name no model or alias
+    answers to, one that names the model itself, or one that leads back to the model
+    (``a → b → a``). Empty when every chain ends."""
+    problems = []
+    for model in catalog.models:
+        for k, name in enumerate(model.fallbacks):
+            key = f"fallbacks[{k}]"
+            target = catalog.resolve(name)
+            if target is None:
+                problems.append((model.name, key, f"{name!r} is not a model or an alias of "
+                                 "one; declare it, or drop it from the fallbacks"))
+            elif target is model:
+                problems.append((model.name, key, f"{name!r} is this model itself; drop it"))
+            else:
+                loop = _path_back(catalog, target, model)
+                if loop is not None:
+                    problems.append((model.name, key, f"{name!r} leads back to {model.name!r} "
+                                     f"({' → '.join([model.name, *loop])}): a model's "
+                                     "fallbacks must not fall back to it; drop one link"))
+    return problems
+
+
+def _path_back(catalog: Catalog, start: Model, goal: Model) -> list[str] | None:
+    """The names from ``start`` along fallbacks to ``goal`` (depth first), None when no
+    chain of fallbacks leads there."""
+    stack: list[tuple[Model, list[str]]] = [(start, [start.name])]
+    seen = {start.name}
+    while stack:
+        current, path = stack.pop()
+        for name in current.fallbacks:
+            target = catalog.resolve(name)
+            if target is goal:
+                return [*path, goal.name]
+            if target is not None and target.name not in seen:
+                seen.add(target.name)
+                stack.append((target, [*path, target.name]))
     return None
 
 
@@ -215,6 +288,17 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                                + ("the model's own name" if alias == raw.name
                                   else "listed twice") + "; drop it")
         aliases.append(alias)
+    fallbacks = []
+    for k, name in enumerate(raw.fallbacks):
+        try:
+            check_model_name(name)
+        except NameRuleError as err:
+            raise CatalogError(f"{where}.fallbacks[{k}]: {err}") from None
+        if name == raw.name or name in aliases or name in fallbacks:
+            raise CatalogError(f"{where}.fallbacks[{k}]: {name!r} is "
+                               + ("listed twice" if name in fallbacks
+                                  else "this model itself") + "; drop it")
+        fallbacks.append(name)
     return Model(
         name=raw.name,
         profiles=tuple(profiles),
@@ -223,12 +307,14 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
         priority=raw.priority,
         selector=Selector(tuple(sorted(raw.nodes.labels.items())), raw.nodes.gpu_class),
         aliases=tuple(aliases),
+        fallbacks=tuple(fallbacks),
     )
 
 
 def catalog_from_config(models: list[config.Model]) -> Catalog:
     """server.yaml's models as a catalog; a CatalogError naming the entry when one is not
-    servable, or when one of its names or aliases is another's."""
+    servable, when one of its names or aliases is another's, or when one of its fallbacks
+    names no model of the file or leads back to it."""
     catalog = Catalog()
     for i, raw in enumerate(models):
         model = model_from_config(raw, f"models[{i}]")
@@ -238,4 +324,7 @@ def catalog_from_config(models: list[config.Model]) -> Catalog:
             key, why = clash
             raise CatalogError(f"models[{i}].{key}: {why}")
         catalog = Catalog((*catalog.models, model))
+    index = {m.name: i for i, m in reversed(list(enumerate(models)))}
+    for name, key, why in fallback_problems(catalog)[:1]:
+        raise CatalogError(f"models[{index[name]}].{key}: {why}")
     return catalog

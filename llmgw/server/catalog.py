@@ -23,7 +23,14 @@ from typing import Any, Literal
 import msgspec
 
 from llmgw import config
-from llmgw.core.catalog import Catalog, CatalogError, Model, clashes, model_from_config
+from llmgw.core.catalog import (
+    Catalog,
+    CatalogError,
+    Model,
+    clashes,
+    fallback_problems,
+    model_from_config,
+)
 from llmgw.store import Store, StoredModel
 
 log = logging.getLogger(__name__)
@@ -134,6 +141,17 @@ def clash_with_catalog(items: list[Entry], raw: config.Model) -> tuple[str, str]
     """Why ``raw`` (checked by ``parse_model``) cannot be added beside ``items``: the key
     of a name or alias of it that is taken, and words naming both; None when it can."""
     return clashes(model_from_config(raw), catalog_of(items))
+
+
+def fallbacks_refused(items: list[Entry], raw: config.Model) -> tuple[str, str] | None:
+    """Why ``raw`` (checked by ``parse_model``, its names free) cannot be added beside
+    ``items`` for its fallbacks: the key of one that names no model or alias there, or
+    that leads back to it, and words saying which; None when every one can be followed.
+    (Problems of the models already there are not the new one's.)"""
+    catalog = Catalog((*catalog_of(items).models, model_from_config(raw)))
+    # A cycle through the new model is always one of its own fallbacks leading back.
+    return next(((key, why) for model, key, why in fallback_problems(catalog)
+                 if model == raw.name), None)
 
 
 def catalog_of(items: list[Entry]) -> Catalog:

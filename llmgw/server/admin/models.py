@@ -38,6 +38,7 @@ from llmgw.server.catalog import (
     clash_with_catalog,
     declared,
     entries,
+    fallbacks_refused,
     parse_model,
     stored_spec,
 )
@@ -194,9 +195,13 @@ async def add_to_catalog(parts: ModelParts, new: NewModel) -> ModelView:
             raise ApiError(409, f"model {name!r} exists ({where}): scale it with `llmgw "
                            f"ctl models scale {name} N`, or remove it first",
                            param="name", code="model_exists")
-        clash = clash_with_catalog(await entries(store, config), new.model)
+        items = await entries(store, config)
+        clash = clash_with_catalog(items, new.model)
         if clash is not None:
             raise ApiError(409, clash[1], param=clash[0], code="model_exists")
+        broken = fallbacks_refused(items, new.model)
+        if broken is not None:
+            raise ApiError(400, broken[1], param=broken[0], code="invalid_model")
         # As the operator wrote it (checked above), as server.yaml keeps what it was given.
         await store.put_model(name, stored_spec(API, new.written))
         log.info("model %s added over the API", name)

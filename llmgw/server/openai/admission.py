@@ -6,6 +6,13 @@ A request is served one of two ways (routes.py): from the server's callbacks wit
 (``GatewayFront.serve_now``), which takes only a request that needs no wait, or in a
 task, which awaits what the decision waits for and asks again. Both ask ``decide`` with
 the request's ``Ask``, so the two cannot drift apart.
+
+A model may name fallbacks (``Catalog.fallbacks_of``): when it has no ready replica left
+to try, or its queue refuses the request (429), the request becomes its next fallback's
+(``fall_back``), one the key may use, before anything was sent to an engine. ``decide``
+falls back at once where the model has no ready replica and none is on its way (so the
+callback path serves a fallback too); the task path where a wait ended in a refusal. A
+model without fallbacks pays one attribute read for this.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import multipart
 
-from llmgw.core.catalog import may_use
+from llmgw.core.catalog import Name, may_use
 from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
 from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
@@ -85,8 +92,10 @@ class Ask:
     (``admitted``: counted against the key's limits; ``tried`` and ``refusals``: the
     replicas that did not take it, and why)."""
 
-    __slots__ = ("_affinity", "admitted", "body", "content_type", "head", "key", "kind",
-                 "model", "path", "refusals", "replica_due", "requested", "stream", "tried")
+    __slots__ = ("_affinity", "admitted", "body", "content_type", "fallback_refusals",
+                 "fallbacks", "first_refusal", "head", "key", "kind", "model", "path",
+                 "refusals", "replica_due", "requested", "shows_model", "stream", "tried",
+                 "tried_before")
 
     def __init__(self, path: str, kind: str, head: Head, body: bytes, content_type: bytes,
                  key: ApiKeyRecord | None) -> None:
@@ -107,6 +116,16 @@ class Ask:
         # Until when it may wait for a replica on its way (monotonic); see admit().
         self.replica_due: float | None = None
         self._affinity: bytes | bool | None = False  # False: not worked out yet
+        # The model sent names fallbacks: the answer says which model served it
+        # (``proxy.show_model``), whichever did.
+        self.shows_model = False
+        # Once it fell back (``fall_back``): the fallbacks not tried yet, the first model's
+        # refusal (what the client is told if none serves), the later ones', and how many
+        # replicas were tried before the model it is now for.
+        self.fallbacks: tuple[Name, ...] | None = None
+        self.first_refusal: ApiError | None = None
+        self.fallback_refusals: tuple[str, ...] = ()  # no list made for every request
+        self.tried_before = 0
 
     def affinity(self, router: Router) -> bytes | None:
         """The request's affinity key (``routing.affinity_key``): its ``user``, else the
@@ -148,7 +167,8 @@ class Wait(enum.Enum):
 def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
     """Go with a lease on a replica with a free slot, wait, or be refused; in that order:
     the key may use the model (403), the model exists (404), the key's limits admit it
-    (waits for the store), a replica not yet tried has a free slot (waits in its queue).
+    (waits for the store), a replica not yet tried has a free slot (waits in its queue);
+    a model with no ready replica left, none on its way, goes on to its next fallback.
     The lease, when there is one, is the caller's to release."""
     requested = ask.requested
     catalog = state.controller.catalog
@@ -158,9 +178,14 @@ def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
     if served is None or (allowed is not None and requested not in allowed
                           and served.name not in allowed):
         return not_usable(catalog, requested, allowed)
-    model = served.name
-    if model != ask.model:  # an alias, the first time it is decided on
-        ask.serve_as(model)
+    if ask.first_refusal is None:
+        model = served.name
+        if model != ask.model:  # an alias, the first time it is decided on
+            ask.serve_as(model)
+        if served.fallbacks:
+            ask.shows_model = True
+    else:  # fell back: the fallback's now
+        model = ask.model
     if not ask.admitted:
         return Wait.LIMITS
     router = state.router
@@ -168,13 +193,19 @@ def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
         lease = router.pick(model, None, ask.tried)
     else:
         lease = router.pick(model, ask.affinity(router), ask.tried)
-    return Wait.SLOT if lease is None else lease
+    if lease is not None:
+        return lease
+    if (ask.shows_model and not router.reachable(model, ask.tried)
+            and not state.controller.expecting(model) and fall_back(state, ask)):
+        return decide(state, ask)  # for the fallback (a chain ends: it recurses as far)
+    return Wait.SLOT
 
 
 async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
-    """``decide``, waiting for what it waits for: a lease, or None when the model has no
-    ready replica left to try (503). Raises the ApiError of a refusal (a 429 from the
-    key's limits or a full queue among them)."""
+    """``decide``, waiting for what it waits for: a lease, or None when the model, and
+    each fallback it went on to, has no ready replica left to try (503: ``no_replica``).
+    Raises the ApiError of a refusal (a 429 from the key's limits or a full queue among
+    them; a full queue first sends the request on to a fallback, if there is one)."""
     while True:
         decision = decide(state, ask)
         if type(decision) is Lease:
@@ -193,11 +224,16 @@ async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
             try:
                 lease = await router.acquire(ask.model, affinity, exclude=ask.tried)
             except Saturated as err:
+                refusal = ApiError(429, str(err), code=err.code,
+                                   headers={"retry-after": str(err.retry_after_s)})
+                if fall_back(state, ask, refusal):
+                    continue
                 state.metrics.refused(ask.model, err.code)
-                raise ApiError(429, str(err), code=err.code,
-                               headers={"retry-after": str(err.retry_after_s)}) from None
-            if lease is not None or not await _replica_on_its_way(state, ask):
+                raise final_refusal(ask, refusal) from None
+            if lease is not None:
                 return lease
+            if not await _replica_on_its_way(state, ask) and not fall_back(state, ask):
+                return None
         else:
             raise decision
 
@@ -220,11 +256,60 @@ async def _replica_on_its_way(state: GatewayContext, ask: Ask) -> bool:
 
 def no_replica(state: GatewayContext, ask: Ask) -> ApiError:
     """The 503 of a request no replica took: why each one tried did not, or why the model
-    has none ready."""
+    has none ready; the first model's, naming its fallbacks' too, when it fell back."""
+    return final_refusal(ask, _no_replica_of(state, ask))
+
+
+def _no_replica_of(state: GatewayContext, ask: Ask) -> ApiError:
     why = ("; ".join(ask.refusals) if ask.refusals
            else state.controller.why_not_ready(ask.model))
     return ApiError(503, f"no replica of {ask.model!r} can take the request: {why}",
                     code="no_ready_replica", headers={"retry-after": "5"})
+
+
+def fall_back(state: GatewayContext, ask: Ask, refusal: ApiError | None = None) -> bool:
+    """The request's model refused it before anything was sent (``refusal``; None: no
+    replica of it can take it): make it the next fallback's that the key may use (its
+    body names that model, for its engine), and say so; False when there is none left,
+    and the caller answers ``final_refusal``. A fallback the key may not use is passed
+    over: the key's model list applies to fallbacks as to models sent."""
+    if not ask.shows_model:
+        return False
+    remaining = ask.fallbacks
+    if remaining is None:
+        catalog = state.controller.catalog
+        first = catalog.resolve(ask.requested)
+        remaining = () if first is None else catalog.fallbacks_of(first)
+    allowed = ask.key.allowed_models if ask.key is not None else None
+    for i, fallback in enumerate(remaining):
+        if not may_use(allowed, fallback.name, fallback.model):
+            continue
+        ask.fallbacks = remaining[i + 1:]
+        refusal = refusal or _no_replica_of(state, ask)
+        if ask.first_refusal is None:
+            ask.first_refusal = refusal
+        else:
+            ask.fallback_refusals += (refusal.message,)
+        ask.serve_as(fallback.model.name)
+        ask.refusals = []
+        ask.replica_due = None
+        ask.tried_before = len(ask.tried)
+        ask._affinity = False  # another model's replicas to choose between
+        return True
+    ask.fallbacks = ()
+    return False
+
+
+def final_refusal(ask: Ask, refusal: ApiError) -> ApiError:
+    """What the client is told when nothing took the request and ``refusal`` was the last
+    word: that refusal, or, when the request fell back, the first model's (the model it
+    sent), with why each fallback could not take it either."""
+    first = ask.first_refusal
+    if first is None:
+        return refusal
+    why = "; ".join([*ask.fallback_refusals, refusal.message])
+    return ApiError(first.status, f"{first.message}; its fallbacks could not take it "
+                    f"either: {why}", code=first.code, headers=first.headers)
 
 
 async def authorize(state: GatewayContext, authorization: str | None) -> ApiKeyRecord | None:

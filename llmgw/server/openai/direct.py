@@ -40,6 +40,7 @@ from llmgw.server.openai.proxy import (
     ends_an_event,
     is_event_stream,
     no_head,
+    show_model,
     stream_error,
     write_whole,
 )
@@ -77,7 +78,7 @@ class Exchange:
     __slots__ = ("_answer", "_began", "_clock", "_fall_back", "_gateway", "_kept", "_key",
                  "_kind", "_lease", "_metrics", "_model", "_origin", "_over", "_path",
                  "_reader", "_relayed", "_relaying", "_reported", "_response_model",
-                 "_status", "_stream", "_streaming", "_usage", "_writer")
+                 "_shows_model", "_status", "_stream", "_streaming", "_usage", "_writer")
 
     def __init__(self, state: GatewayContext, ask: Ask, lease: Lease, answer: Answer,
                  writer: BodyWriter, fall_back: Callable[[dict | None], None],
@@ -89,6 +90,7 @@ class Exchange:
         self._writer = writer
         self._metrics = state.metrics
         self._model = ask.model
+        self._shows_model = ask.shows_model
         self._kind = ask.kind
         self._path = ask.path
         key = self._key = ask.key
@@ -149,6 +151,8 @@ class Exchange:
                     if answer.error is not None:
                         self._no_head()
                     return
+                if self._shows_model:
+                    show_model(answer, self._model)
                 if (answer.done and not self._stream and answer.error is None
                         and answer.status != 503):
                     # Whole with its head, as most whole answers come: at once.

@@ -31,6 +31,7 @@ from llmgw.transport.writer import BodyWriter
 if TYPE_CHECKING:
     from llmgw.server.openai.admission import Ask, GatewayContext
 
+
 log = logging.getLogger(__name__)
 
 Send = Callable[[dict], Awaitable[None]]
@@ -87,6 +88,9 @@ class Progress(Protocol):
         """A stream is over, however it ended; ``reader`` has read its usage."""
 
 ACCEPT_STREAM = b"text/event-stream"
+# Names the model whose engine answered (a fallback, or the model sent), on every answer
+# to a request for a model that names fallbacks.
+MODEL_HEADER = b"x-llmgw-model"
 
 
 async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
@@ -107,6 +111,8 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
                 idle_timeout_s=gateway.idle_timeout_s, content_type=ask.content_type)
         except UpstreamError as err:
             raise no_head(err, lease.replica, gateway) from None
+        if ask.shows_model:
+            show_model(upstream, ask.model)
         try:
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
@@ -120,6 +126,12 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
             upstream.close()
     finally:
         lease.release()
+
+
+def show_model(answer: Answer, model: str) -> None:
+    """The answer to a request for a model that names fallbacks says which model's engine
+    answered it (``MODEL_HEADER``): the model sent, or the fallback it went to."""
+    answer.headers = [*answer.headers, (MODEL_HEADER, model.encode())]
 
 
 def no_head(err: UpstreamError, replica: str, gateway: Gateway) -> Retryable | ApiError:

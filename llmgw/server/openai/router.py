@@ -256,6 +256,11 @@ class Router:
         pool = self._pools.get(model)
         return 0 if pool is None else len(pool.endpoints)
 
+    def reachable(self, model: str, exclude: Collection[str] = ()) -> bool:
+        """Whether ``model`` has a ready replica outside ``exclude``, busy or not."""
+        pool = self._pools.get(model)
+        return pool is not None and pool.reachable(exclude)
+
     async def acquire(self, model: str, affinity_key: str | bytes | None = None,
                       exclude: Collection[str] = (), wait_s: float | None = None
                       ) -> Lease | None:

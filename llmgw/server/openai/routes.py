@@ -25,6 +25,7 @@ from llmgw.server.openai.admission import (
     admit,
     authorize,
     decide,
+    fall_back,
     no_replica,
     not_listed,
 )
@@ -47,7 +48,8 @@ MAX_BODY = 32 * 2**20
 class ClientGone(Exception):
     """The client went away before its answer was done; nothing more is sent."""
 
-# Replicas tried for one request before giving up, when the first ones refuse outright.
+# Replicas of one model tried for a request before giving up on it (or going on to its
+# fallback), when the first ones refuse outright.
 _MAX_ATTEMPTS = 3
 # Under a server that offers no BodyWriter: how long a request runs before its client is
 # watched for leaving, well within the second in which an abandoned request must be closed
@@ -462,18 +464,21 @@ async def _until_disconnect(receive: Receive) -> None:
 async def _route(state: GatewayContext, ask: Ask, send: Send, progress: _Seen,
                  writer: BodyWriter | None) -> None:
     """Admit the request and forward it, to another replica while one refuses it before
-    any engine worked on it (``proxy.Retryable``), up to _MAX_ATTEMPTS replicas in all."""
-    while len(ask.tried) < _MAX_ATTEMPTS:
+    any engine worked on it (``proxy.Retryable``), up to _MAX_ATTEMPTS replicas of a
+    model; then to the model's next fallback, if it has one."""
+    while True:
         lease = await admit(state, ask)
         if lease is None:
             break
-        progress.model = ask.model  # an alias's model, now admission resolved it
+        progress.model = ask.model  # an alias's model (or a fallback), now admitted
         progress.replica = lease.replica
         try:
             return await forward(state, lease, ask, send, progress, writer)
         except Retryable as err:
             state.metrics.retry(ask.model)
             ask.refused_by(lease.replica, str(err))
+        if len(ask.tried) - ask.tried_before >= _MAX_ATTEMPTS and not fall_back(state, ask):
+            break
     raise no_replica(state, ask)
 
 
