@@ -31,13 +31,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from llmgw import config as cfg
 from llmgw.agent.install import pypi
 from llmgw.core.names import NameRuleError, check_model_name
+from llmgw.server import replica_table
 from llmgw.server.auth import (
     SecretsFileError,
     check_api_key,
     create_api_key,
     load_or_create_admin_token,
 )
-from llmgw.store import open_store
+from llmgw.store import Store, open_store
 from llmgw.store.urls import store_url
 
 SIM_MODEL = "sim-small"
@@ -214,20 +215,32 @@ def write_configs(state: Path, port: int, demo: Demo,
     return server_path, agent_path
 
 
-async def api_key(state: Path, server_config: cfg.ServerConfig) -> str:
+async def prepare_store(state: Path, server_config: cfg.ServerConfig) -> str:
+    """Forget the replicas of an earlier run and return the API key to show."""
+    store = await open_store(store_url(server_config))
+    try:
+        # Every engine of an earlier `up` stopped with its agent (stop_shards_on_exit), so
+        # the stored table's replicas are gone: kept, they would read as ready before this
+        # run's agent registers (a banner before anything serves), and their loss when it
+        # does would count as a failure and hold the next placement for the restart
+        # backoff (10 s). An engine that outlived a killed agent is adopted from the
+        # agent's report as it registers.
+        await store.put_setting(replica_table.SETTING, None)
+        return await api_key(state, store)
+    finally:
+        await store.close()
+
+
+async def api_key(state: Path, store: Store) -> str:
     """The key `llmgw up` made on its first run (kept, 0600, so that it can be shown
     again), or a new one."""
     path = state / "server" / "secrets" / "up-api-key"
-    store = await open_store(store_url(server_config))
-    try:
-        if path.exists():
-            key = path.read_text().strip()
-            # Only a key that still works: revoked or expired, a new one is made.
-            if not isinstance(await check_api_key(store, key, datetime.now(UTC)), str):
-                return key
-        key, _ = await create_api_key(store, "llmgw up")
-    finally:
-        await store.close()
+    if path.exists():
+        key = path.read_text().strip()
+        # Only a key that still works: revoked or expired, a new one is made.
+        if not isinstance(await check_api_key(store, key, datetime.now(UTC)), str):
+            return key
+    key, _ = await create_api_key(store, "llmgw up")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
@@ -241,6 +254,9 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
     rather than after a backoff), then wait for the model to be ready."""
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {admin_token}"}
+    # Each wait here is time added to the first answer, and a status read costs the server
+    # a few ms: 50 ms between reads.
+    every_s = 0.05
     last = ""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         with console.status("starting…") as status:
@@ -257,7 +273,7 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                         body = await resp.json()
                 except (aiohttp.ClientError, TimeoutError):
                     status.update("waiting for the server to listen…")
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(every_s)
                     continue
                 if len(procs) == 1:
                     procs.append(start_agent())
@@ -268,7 +284,7 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                 if text != last:
                     status.update(text)
                     last = text
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(every_s)
     raise TimeoutError(f"{model_name} was not ready after {timeout_s:g} s: {last}")
 
 
@@ -339,7 +355,7 @@ def up(args: argparse.Namespace) -> int:
     except SecretsFileError as err:
         console.print(f"[red]llmgw up: {err}[/]")
         return 1
-    key = asyncio.run(api_key(state, server_config))
+    key = asyncio.run(prepare_store(state, server_config))
 
     base = f"http://127.0.0.1:{args.port}"
     logs = state / "logs"
