@@ -277,6 +277,7 @@ def test_restart_keeps_api_models_and_scale_overrides(cluster, tmp_path):
     spec = tmp_path / "kept.json"
     spec.write_text(json.dumps({"name": "sim-kept", "replicas": 0,
                                 "description": "kept across restarts",
+                                "aliases": ["kept-alias"], "fallbacks": ["sim-small"],
                                 "profiles": [{"engine": "sim", "args": ["--x"]}]}))
     assert ctl(cluster, "models", "add", "-f", str(spec), "--json").json()["replicas"] == 0
     scaled = ctl(cluster, "models", "scale", "sim-small", "2", "--json").json()
@@ -285,10 +286,15 @@ def test_restart_keeps_api_models_and_scale_overrides(cluster, tmp_path):
     cluster.wait_ready("sim-small", 2)
     table = ctl(cluster, "models", "list")
     assert "2 (server.yaml: 1)" in table.out
+    assert "aliases" in table.out and "fallbacks" in table.out
+    [kept_row] = [line for line in table.out.splitlines() if "sim-kept" in line]
+    assert "kept-alias" in kept_row and "sim-small" in kept_row
 
     cluster.restart_server()
     after = models(cluster)
     assert after["sim-kept"]["source"] == "api"
+    assert (after["sim-kept"]["aliases"], after["sim-kept"]["fallbacks"]) == (
+        ["kept-alias"], ["sim-small"])
     assert after["sim-kept"]["spec"]["profiles"] == [{"engine": "sim", "args": ["--x"]}]
     small = after["sim-small"]
     assert (small["source"], small["replicas"], small["replicas_in_config"]) == ("config", 2, 1)

@@ -74,6 +74,12 @@ def test_a_model_with_no_replica_is_answered_by_its_fallback_and_counted_as_it(c
     assert used["completion_tokens"] == 3 * 3 + 1
 
 
+def test_the_models_api_shows_each_model_s_fallbacks(cluster):
+    listed = {m["name"]: m for m in cluster.admin("GET", "/api/models").json()}
+    assert (listed["primary"]["fallbacks"], listed["primary"]["aliases"]) == (["backup"], [])
+    assert listed["backup"]["fallbacks"] == []
+
+
 def test_a_key_not_allowed_the_fallback_gets_the_model_s_own_refusal(cluster):
     key, _ = _key_for(cluster, "primary")
     client = _client(cluster, key)

@@ -229,6 +229,31 @@ def test_a_user_sees_what_the_api_tells_them_and_their_posts_are_refused(cluster
     assert log.status_code == 403 and "for admins" in _alerts(log.text)[0]
 
 
+def test_aliases_and_fallbacks_are_shown_and_a_key_may_be_made_for_an_alias(cluster, viewer):
+    added = cluster.admin("POST", "/api/models", json={
+        "name": "team/big", "aliases": ["big-alias", "gpt-x"], "fallbacks": ["sim-small"],
+        "replicas": 0, "profiles": [{"engine": "sim"}]})
+    assert added.status_code == 201, added.text
+    try:
+        # A user sees them, on the API as on the pages: a user may send an alias.
+        [big] = [m for m in viewer.get("/api/models").json() if m["name"] == "team/big"]
+        assert (big["aliases"], big["fallbacks"]) == (["big-alias", "gpt-x"], ["sim-small"])
+        assert "spec" not in big
+        assert (_row(viewer.get("/ui/models").text, "team/big")
+                == "team/big also big-alias, gpt-x falls back to sim-small API 0 / 0")
+        page = _text(viewer.get("/ui/models/team/big").text)
+        # (_text leaves a space where a tag closed before the comma.)
+        assert ('Clients ask for it as "model": "team/big" , "big-alias" or "gpt-x" on /v1'
+                in page)
+        assert "this serves it: sim-small (and their own fallbacks after them)" in page
+        keys = viewer.get("/ui/keys").text
+        offered = re.findall(r'name="models" value="([^"]+)"', keys)
+        assert offered == ["sim-small", "team/big", "big-alias", "gpt-x"]
+        assert "big-alias (alias of team/big)" in _text(keys)
+    finally:
+        cluster.admin("DELETE", "/api/models/team/big").raise_for_status()
+
+
 def test_a_replicas_page_shows_the_sim_engines_output(cluster, ops):
     [replica] = cluster.ready_replicas("sim-small")
     page = ops.get("/ui/models/sim-small").text

@@ -8,6 +8,7 @@ import csv
 import io
 from datetime import UTC, date, datetime, timedelta
 
+from llmgw.core.catalog import Model, Name
 from llmgw.core.usage import Limits
 from llmgw.server.auth.sessions import Principal
 from llmgw.server.ui import template_config
@@ -116,7 +117,8 @@ def test_the_keys_list_stays_small_with_many_keys() -> None:
     records = busy(30, range(1, 4))
     page = render("keys.html", title="Keys", keys=rows, keys_total=5000,
                   keys_shown=MAX_KEYS_SHOWN, chart=day_chart(records, first, LAST, "tokens"),
-                  models_used=per_model(records), usage_days=30, catalog=MODELS,
+                  models_used=per_model(records), usage_days=30,
+                  catalog=[Name(m, Model(m, ())) for m in MODELS],
                   checkboxes=True, limit_labels=LIMIT_LABELS, problem="", problems={},
                   values=EMPTY_FORM)
     assert len(page.encode()) < PAGE_MAX * 0.8, len(page.encode())

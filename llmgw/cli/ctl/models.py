@@ -21,12 +21,13 @@ _MODEL_FLAGS = ("engine", "replicas", "gpus", "nodes", "source", "weights", "arg
 def models_list(args: argparse.Namespace) -> None:
     models = call(args, "GET", "/api/models")
     rows = [{**m, "model": m["name"], "replicas": _replicas_words(m),
-             "ready": m["replicas_ready"],
+             "ready": m["replicas_ready"], "aliases": ", ".join(m.get("aliases", [])),
+             "fallbacks": ", ".join(m.get("fallbacks", [])),
              "engines": ", ".join(f"{p['name']}: {p['engine']}" for p in m.get("profiles", [])),
              "on": ", ".join(m.get("placed_on", [])),
              "why not all": m.get("unplaced")} for m in models]
-    show(args, models, ["model", "source", "replicas", "ready", "engines", "on",
-                        "why not all"], "models", rows=rows)
+    show(args, models, ["model", "aliases", "fallbacks", "source", "replicas", "ready",
+                        "engines", "on", "why not all"], "models", rows=rows)
 
 
 def _replicas_words(model: dict) -> str:

@@ -90,14 +90,18 @@ class ProfileView(msgspec.Struct):
 
 
 class ModelView(msgspec.Struct):
-    """A model as the catalog serves it; the fields after ``replicas_ready`` only for an
-    admin."""
+    """A model as the catalog serves it; the fields after ``fallbacks`` only for an admin."""
 
     name: str
     source: str
     description: str
     replicas: int
     replicas_ready: int
+    # Other names a client may send for it.
+    aliases: list[str] = []
+    # Names (or aliases) of the models that serve its requests when it cannot, in order, as
+    # written: for everyone, as the x-llmgw-model header of an answer names the one that did.
+    fallbacks: list[str] = []
     # server.yaml's value for its models (an override differs from it); null for the API's.
     replicas_in_config: int | msgspec.UnsetType | None = msgspec.UNSET
     overridden: bool | msgspec.UnsetType = msgspec.UNSET
@@ -119,7 +123,8 @@ def model_view(entry: Entry, controller: Controller, admin: bool) -> ModelView:
     ready = sum(1 for r in controller.replicas.values()
                 if r.model == name and r.state.value == "ready")
     shown = ModelView(name=name, source=entry.source, description=entry.model.description,
-                      replicas=entry.model.replicas, replicas_ready=ready)
+                      replicas=entry.model.replicas, replicas_ready=ready,
+                      aliases=list(entry.model.aliases), fallbacks=list(entry.model.fallbacks))
     if not admin:
         return shown
     return msgspec.structs.replace(

@@ -17,6 +17,7 @@ from litestar import Request, get, post
 from litestar.params import FromPath
 from litestar.response import Template
 
+from llmgw.core.catalog import Name
 from llmgw.core.usage import LIMIT_NAMES, MAX_LIMIT, duration_words
 from llmgw.server.admin.keys import (
     LimitsIn,
@@ -111,8 +112,9 @@ def _period(today: date) -> tuple[date, date]:
     return today - timedelta(days=USAGE_DAYS - 1), today
 
 
-def _catalog_names(request: Request) -> list[str]:
-    return request.app.state.controller.catalog.names()
+def _catalog_names(request: Request) -> list[Name]:
+    """Every name a key's model list may hold: each model's, then its aliases."""
+    return request.app.state.controller.catalog.served_names()
 
 
 # --- the list, and the form that makes a key ---------------------------------------------
