@@ -217,6 +217,23 @@ def _path_back(catalog: Catalog, start: Model, goal: Model) -> list[str] | None:
     return None
 
 
+
+def _other_names(where: str, key: str, names: list[str], itself: set[str],
+                 itself_words: str) -> list[str]:
+    """A model's ``aliases`` or ``fallbacks`` (``key``), checked: each a model name, not a
+    name of ``itself``, none twice."""
+    kept: list[str] = []
+    for k, name in enumerate(names):
+        try:
+            check_model_name(name)
+        except NameRuleError as err:
+            raise CatalogError(f"{where}.{key}[{k}]: {err}") from None
+        if name in kept or name in itself:
+            why = "listed twice" if name in kept else itself_words
+            raise CatalogError(f"{where}.{key}[{k}]: {name!r} is {why}; drop it")
+        kept.append(name)
+    return kept
+
 def model_from_config(raw: config.Model, where: str = "model") -> Model:
     try:
         check_model_name(raw.name)
@@ -277,28 +294,9 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 slots=p.slots,
             )
         )
-    aliases = []
-    for k, alias in enumerate(raw.aliases):
-        try:
-            check_model_name(alias)
-        except NameRuleError as err:
-            raise CatalogError(f"{where}.aliases[{k}]: {err}") from None
-        if alias == raw.name or alias in aliases:
-            raise CatalogError(f"{where}.aliases[{k}]: {alias!r} is "
-                               + ("the model's own name" if alias == raw.name
-                                  else "listed twice") + "; drop it")
-        aliases.append(alias)
-    fallbacks = []
-    for k, name in enumerate(raw.fallbacks):
-        try:
-            check_model_name(name)
-        except NameRuleError as err:
-            raise CatalogError(f"{where}.fallbacks[{k}]: {err}") from None
-        if name == raw.name or name in aliases or name in fallbacks:
-            raise CatalogError(f"{where}.fallbacks[{k}]: {name!r} is "
-                               + ("listed twice" if name in fallbacks
-                                  else "this model itself") + "; drop it")
-        fallbacks.append(name)
+    aliases = _other_names(where, "aliases", raw.aliases, {raw.name}, "the model's own name")
+    fallbacks = _other_names(where, "fallbacks", raw.fallbacks, {raw.name, *aliases},
+                             "this model itself")
     return Model(
         name=raw.name,
         profiles=tuple(profiles),

@@ -110,6 +110,16 @@ def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[di
         c.stop()
 
 
+@pytest.fixture
+def ctl_environment(tmp_path, monkeypatch):
+    """`llmgw ctl` as a test runs it: its own session file (ctl falls back to a saved
+    session: never the machine's own), wide tables, no credentials from the shell."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("COLUMNS", "250")  # rich fits tables to the terminal's width
+    for name in ("LLMGW_TOKEN", "LLMGW_SERVER", "LLMGW_CA_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -42,13 +42,8 @@ def cluster(tmp_path_factory, request):
     made.stop()
 
 
-@pytest.fixture(autouse=True)
-def _own_session_file(tmp_path, monkeypatch):
-    # ctl falls back to a saved session: never the machine's own.
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("COLUMNS", "250")  # rich fits tables to the terminal's width
-    for name in ("LLMGW_TOKEN", "LLMGW_SERVER", "LLMGW_CA_FILE"):
-        monkeypatch.delenv(name, raising=False)
+# ctl with its own session file and no credentials from the shell (conftest.py).
+pytestmark = pytest.mark.usefixtures("ctl_environment")
 
 
 @pytest.mark.parametrize("command", [["status", "--json"], ["nodes", "list"],
