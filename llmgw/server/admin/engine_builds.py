@@ -19,7 +19,8 @@ from llmgw.core.builds import BUILD_NAMES
 from llmgw.core.desired_engines import BY_DEFAULT, BuildChoice, build_choice_refusal
 from llmgw.server.admin.common import ADMIN, Input, StrictBody
 from llmgw.server.admin.nodes import EngineBuildView, NodeView, engine_build_view, node_view
-from llmgw.server.agents.sessions import NodeSession, session_of_record
+from llmgw.server.admin.status import known_session
+from llmgw.server.agents.sessions import NodeSession
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, refusals
 
@@ -41,11 +42,7 @@ class EngineBuildSet(msgspec.Struct):
 
 
 async def _node(controller: Controller, node_id: str) -> NodeSession:
-    """The node as this server knows it: its stream's session, else the store's record
-    (a server that does not lead holds no stream)."""
-    session = controller.sessions.get(node_id)
-    if session is None and (record := await controller.store.get_node(node_id)) is not None:
-        session = session_of_record(record)
+    session = await known_session(controller, node_id)
     if session is None:
         raise ApiError(404, f"no node {node_id!r} has registered; `llmgw ctl nodes` lists "
                        "those that have", code="node_not_found")

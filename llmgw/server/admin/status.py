@@ -147,6 +147,16 @@ async def known_sessions(controller: Controller, store: Store) -> list[NodeSessi
         return []
 
 
+async def known_session(controller: Controller, node_id: str) -> NodeSession | None:
+    """One node as this server knows it: its stream's session, else the leader's record
+    in the store (a server that does not lead holds no stream); None for a node never
+    registered. StoreUnavailable when it must read the store and cannot."""
+    session = controller.sessions.get(node_id)
+    if session is None and (record := await controller.store.get_node(node_id)) is not None:
+        session = session_of_record(record)
+    return session
+
+
 def replica_views(controller: Controller, router: Router, model: str | None = None
                   ) -> list[ReplicaView]:
     """The replicas (of ``model``, if given), and a lost node's replica still routed to

@@ -21,7 +21,8 @@ from llmgw.core.builds import BUILD_NAMES
 from llmgw.core.desired_engines import BUILD_SOURCE_WORDS, BY_DEFAULT, BuildChoice
 from llmgw.server.admin.engine_builds import set_engine_build
 from llmgw.server.admin.nodes import EngineBuildView, NodeView, engine_build_view, node_view
-from llmgw.server.agents.sessions import NodeSession, session_of_record
+from llmgw.server.admin.status import known_session
+from llmgw.server.agents.sessions import NodeSession
 from llmgw.server.controller import DRAINING_SETTING, Controller
 from llmgw.server.errors import ApiError
 from llmgw.server.ui.page import PREFIX, GoTo, open_page, posted
@@ -101,18 +102,14 @@ async def draining_nodes(controller: Controller) -> set[str]:
 
 
 async def node_session(controller: Controller, node_id: str) -> NodeSession:
-    """The node as ``/api/status`` reads it: the leader's session of its stream, else the
-    record the leader keeps in the store. Refused (404) for a node never registered."""
-    if controller.holds_lead:
-        session = controller.sessions.get(node_id)
-    else:
-        try:
-            record = await controller.store.get_node(node_id)
-        except StoreUnavailable:
-            raise ApiError(503, "this server does not lead and cannot reach the store to read "
-                           "the leader's record of the node; try the leader's page, or again "
-                           "once the store answers", code="store_unavailable") from None
-        session = session_of_record(record) if record is not None else None
+    """The node as ``/api/status`` reads it (``known_session``); refused (404) for a node
+    never registered."""
+    try:
+        session = await known_session(controller, node_id)
+    except StoreUnavailable:
+        raise ApiError(503, "this server does not lead and cannot reach the store to read "
+                       "the leader's record of the node; try the leader's page, or again "
+                       "once the store answers", code="store_unavailable") from None
     if session is None:
         raise ApiError(404, f"no node {node_id!r} has registered; the Nodes page lists those "
                        "that have", code="node_not_found")
