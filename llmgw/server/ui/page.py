@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -69,7 +69,7 @@ def _same(given: str, expected: str) -> bool:
 @dataclass
 class Page:
     """One page being served: its request, the viewer (None on the login and setup
-    pages) and what its template is given besides what it names."""
+    pages), its forms' CSRF token and the message left for it."""
 
     request: Request
     viewer: Principal | None
@@ -77,7 +77,6 @@ class Page:
     flash: str = ""
     # A new double-submit token to set with this page (login and setup forms).
     form_cookie: str = ""
-    context: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_admin(self) -> bool:
@@ -89,7 +88,7 @@ class Page:
         page = Template(template_name=template, status_code=status_code,
                         media_type=MediaType.HTML, context={
             "viewer": self.viewer, "csrf": self.csrf, "csrf_field": CSRF_FIELD,
-            "flash": self.flash, "path": self.request.url.path, **self.context, **context})
+            "flash": self.flash, "path": self.request.url.path, **context})
         # No page is cached, and none may be framed by another site (clickjacking).
         page.headers.update({"cache-control": "no-store", "x-frame-options": "DENY",
                              "content-security-policy": CSP,
