@@ -6,6 +6,7 @@ output's name only when it is complete.
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hashlib
 import os
@@ -14,27 +15,29 @@ import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
 
+from llmgw.bundle import comfyui, signing, wheelsets
 from llmgw.bundle import manifest as mf
 from llmgw.bundle import nix as nixcache
-from llmgw.bundle import signing, wheelsets
 from llmgw.bundle.manifest import BundleError, BundleFile, Manifest
 from llmgw.bundle.remote import Fetcher, git_oid, shown
-from llmgw.core.builds import NodeFacts, Refusal, candidate_builds
+from llmgw.core.builds import NodeFacts, Refusal, candidate_builds, comfyui_archive
 from llmgw.core.desired_engines import DEFAULT_VERSIONS, PUBLISHERS
 from llmgw.core.digests import parse_digests
 from llmgw.core.names import NameRuleError, check_model_name
 from llmgw.core.weights import SourceError, check_patterns, parse_source
+from llmgw.core.wheels import MAX_WHEEL_BYTES
 
 DEFAULT_EXPIRY = timedelta(days=90)
 DEFAULT_ARCHES = ("x86_64",)
 MAX_ARCHIVE_BYTES = 4 * 2**30  # as the agent bounds an engine archive
 _DURATION = re.compile(r"(\d+)([dhm])")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _UNITS = {"d": "days", "h": "hours", "m": "minutes"}
 
 Say = Callable[[str], None]
@@ -43,8 +46,10 @@ Say = Callable[[str], None]
 @dataclass(frozen=True, slots=True)
 class EngineWant:
     """One engine version to bundle: llama.cpp's archives for some processors and builds
-    (none: every build it publishes for them), or a Python engine's wheel set (vLLM,
-    SGLang: wheelsets.py), resolved for the request's ``python_target``."""
+    (none: every build it publishes for them), a Python engine's wheel set (vLLM,
+    SGLang: wheelsets.py), or ComfyUI's source archive and the wheel set of its
+    requirements.txt (comfyui.py); wheel sets are resolved for the request's
+    ``python_target``."""
 
     name: str
     version: str
@@ -80,8 +85,12 @@ class Request:
     llmgw_version: str = ""
     expires_in: timedelta = DEFAULT_EXPIRY
     # "" is the engine's publisher (GitHub's releases and digests); otherwise
-    # <release_url>/<version>/<file> with SHA256SUMS beside, as engines.*.release_url.
+    # <release_url>/<version>/<file> with SHA256SUMS beside, as engines.*.release_url
+    # (ComfyUI's archive: <release_url>/<file>, as engines.comfyui.release_url).
     release_url: str = ""
+    # Engine files whose publisher gives no digest, pinned by the operator (file ->
+    # sha256): ComfyUI's tag archives, as engines.comfyui.sha256 in server.yaml.
+    engine_sha256: dict[str, str] = field(default_factory=dict)
     hub: str = "https://huggingface.co"
     hub_token: str | None = None
     # What Python engines' wheels are resolved for, and from which indexes.
@@ -113,15 +122,39 @@ def parse_engine(text: str, arches: tuple[str, ...], builds: tuple[str, ...]) ->
     if name not in PUBLISHERS:
         raise BundleError(f"--engine {text!r}: no engine {name!r}; name one of "
                           + ", ".join(sorted(PUBLISHERS)))
-    if name not in ("llama.cpp", *wheelsets.ENGINES):
-        raise BundleError(f"--engine {text!r}: bundles do not carry {name} yet (its source "
-                          "archive and Python packages); nodes install it from a package "
-                          f"index they can reach (engines.{name}.index_url)")
     if not version:
         raise BundleError(f"--engine {text!r}: {name} has no default version; write "
                           f"{name}@VERSION")
     mf.check_element(version, f"--engine {text!r}: the version")
     return EngineWant(name, version, arches, builds)
+
+
+def parse_engine_sha256(text: str) -> tuple[str, str]:
+    """``FILE=SHA256``: the sha256 of an engine file its publisher gives none for."""
+    file, eq, digest = text.partition("=")
+    digest = digest.strip().lower()
+    if not eq or not _SHA256.fullmatch(digest):
+        raise BundleError(f"--engine-sha256 {text!r}: write FILE=SHA256, e.g. "
+                          f"{comfyui_archive('0.3.60')}=<64 hex digits>")
+    return mf.check_element(file, f"--engine-sha256 {text!r}: the file"), digest
+
+
+def check_engine_sha256(engines: list[EngineWant], pins: dict[str, str]) -> None:
+    """Every ComfyUI archive asked for is pinned, and every pin is of one asked for;
+    BundleError before anything is downloaded."""
+    archives = {comfyui_archive(e.version): e.version for e in engines
+                if e.name == comfyui.NAME}
+    for asset, version in archives.items():
+        if asset not in pins:
+            raise BundleError(
+                f"--engine comfyui@{version}: GitHub publishes no digest for ComfyUI's tag "
+                f"archive {asset}, so it cannot be checked without one: give "
+                f"--engine-sha256 {asset}=SHA256, the sha256 server.yaml pins under "
+                "engines.comfyui.sha256")
+    for file in pins:
+        if file not in archives:
+            raise BundleError(f"--engine-sha256 {file}: no --engine asks for that file "
+                              "(ComfyUI VERSION's archive is vVERSION.tar.gz)")
 
 
 def parse_model(text: str) -> ModelWant:
@@ -203,27 +236,64 @@ class _Builder:
                             target: wheelsets.Target) -> mf.EngineBuild:
         """The wheel set wheelsets.resolve chooses, each checked against the sha256 the
         index lists, and its requirements.txt, under engines/<name>/<version>/."""
-        requirements = mf.engine_path(want.name, want.version, wheelsets.REQUIREMENTS)
         if (want.name, want.version) in self.python_engines:
             return self.python_engines[want.name, want.version]  # asked for twice
-        extra = "".join(f" and {url}" for url in target.extra_index_urls)
-        self.say(f"resolving {want.name}=={want.version} for {target.shown} from "
-                 f"{shown(target.index_url)}{extra}"
-                 + (f" as it stood at {target.exclude_newer}" if target.exclude_newer else ""))
+        self._resolving(f"{want.name}=={want.version}", target)
         chosen = await wheelsets.resolve(want.name, want.version, target)
+        return self._python_built(want, await self._wheel_set(want, chosen))
+
+    async def comfyui(self, want: EngineWant, target: wheelsets.Target, release_url: str,
+                      sha256: str) -> mf.EngineBuild:
+        """ComfyUI's source archive, checked against the operator's pin, and beside it the
+        wheel set of its requirements.txt (comfyui.py), under engines/comfyui/<version>/."""
+        if (want.name, want.version) in self.python_engines:
+            return self.python_engines[want.name, want.version]  # asked for twice
+        asset = comfyui_archive(want.version)
+        # As engines.comfyui.release_url: the archive at <release_url>/<file>.
+        url = f"{release_url.rstrip('/') or PUBLISHERS[want.name][0]}/{asset}"
+        path = mf.engine_path(want.name, want.version, asset)
+        self.say(f"downloading {url}")
+        size, got = await self.fetcher.download(url, self.dest(path), MAX_ARCHIVE_BYTES)
+        if got != sha256:
+            raise BundleError(f"{shown(url)} has sha256 {got}, but --engine-sha256 pins "
+                              f"{sha256}: the file is corrupt, or not the one published")
+        self.add(path, size, got)
+        found = await asyncio.to_thread(comfyui.read_archive, self.dest(path), want.version)
+        cutoff = target.exclude_newer or found.released_cutoff
+        if not cutoff:
+            raise BundleError(f"{asset} gives no file dates to tell when ComfyUI "
+                              f"{want.version} was released; give --exclude-newer (the day "
+                              "after its release)")
+        # The node's rule: --exclude-newer (server.yaml's exclude_newer), else a day after.
+        target = replace(target, exclude_newer=cutoff)
+        what = f"ComfyUI {want.version}'s {comfyui.REQUIREMENTS}"
+        self._resolving(f"{what} ({len(found.packages)} requirements)", target)
+        chosen = await wheelsets.resolve_text(found.text, what, target)
+        return self._python_built(want, [path, *await self._wheel_set(want, chosen)])
+
+    def _resolving(self, what: str, target: wheelsets.Target) -> None:
+        extra = "".join(f" and {url}" for url in target.extra_index_urls)
+        self.say(f"resolving {what} for {target.shown} from {shown(target.index_url)}{extra}"
+                 + (f" as it stood at {target.exclude_newer}" if target.exclude_newer else ""))
+
+    async def _wheel_set(self, want: EngineWant, chosen: list[wheelsets.Chosen]) -> list[str]:
+        """The chosen wheels and the requirements.txt that pins them, under
+        engines/<name>/<version>/: their paths, the requirements last."""
         sizes = [c.wheel.size for c in chosen if c.wheel.size is not None]
         self.say(f"resolved {len(chosen)} packages" + (
             f", {sum(sizes):,} bytes of wheels" if len(sizes) == len(chosen) else ""))
         paths = await self._fetch_wheels(
             chosen, lambda file: mf.engine_path(want.name, want.version, file))
+        requirements = mf.engine_path(want.name, want.version, wheelsets.REQUIREMENTS)
         text = wheelsets.requirements_text(chosen).encode()
-        dest = self.dest(requirements)
-        dest.write_bytes(text)
+        self.dest(requirements).write_bytes(text)
         self.add(requirements, len(text), hashlib.sha256(text).hexdigest())
         total = sum(self.files[p].size for p in paths)
         self.say(f"{want.name} {want.version}: {len(paths)} wheels, {total:,} bytes")
-        built = mf.EngineBuild(name=want.name, version=want.version,
-                               files=[*paths, requirements])
+        return [*paths, requirements]
+
+    def _python_built(self, want: EngineWant, paths: list[str]) -> mf.EngineBuild:
+        built = mf.EngineBuild(name=want.name, version=want.version, files=paths)
         self.python_engines[want.name, want.version] = built
         return built
 
@@ -241,7 +311,7 @@ class _Builder:
             self.say(f"downloading {c.wheel.file}"
                      + (f" ({size:,} bytes)" if size is not None else ""))
             got_size, got = await self.fetcher.download(
-                url, self.dest(path), wheelsets.MAX_WHEEL_BYTES if size is None else size)
+                url, self.dest(path), MAX_WHEEL_BYTES if size is None else size)
             if got != c.wheel.sha256:
                 raise BundleError(f"{c.wheel.file} from {shown(url)} has sha256 {got}, but "
                                   f"the index lists {c.wheel.sha256}: the file is corrupt, "
@@ -392,6 +462,7 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
     if len(given) > 1:
         raise BundleError(f"{' and '.join(given)}: a bundle carries llmgw one way; make one "
                           "bundle for each")
+    check_engine_sha256(request.engines, request.engine_sha256)
     now = (request.now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
     try:
         root = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -401,9 +472,16 @@ async def create_bundle(request: Request, say: Say = lambda _: None) -> Created:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             builder = _Builder(root, Fetcher(http, request.hub, request.hub_token), say)
-            engines = [await builder.python_engine(e, request.python_target)
-                       if e.name in wheelsets.ENGINES else
-                       await builder.engine(e, request.release_url) for e in request.engines]
+            engines = []
+            for e in request.engines:
+                if e.name in wheelsets.ENGINES:
+                    engines.append(await builder.python_engine(e, request.python_target))
+                elif e.name == comfyui.NAME:
+                    engines.append(await builder.comfyui(
+                        e, request.python_target, request.release_url,
+                        request.engine_sha256[comfyui_archive(e.version)]))
+                else:
+                    engines.append(await builder.engine(e, request.release_url))
             models = [await builder.model(m) for m in request.models]
             llmgw = await builder.locked_wheels(
                 request.llmgw_lock, request.llmgw_wheel, version,

@@ -8,8 +8,9 @@ import contextlib
 import re
 from typing import Any
 
-from llmgw.bundle.manifest import Manifest
+from llmgw.bundle.manifest import Manifest, engine_path
 from llmgw.config import BundleSettings, EngineRelease, Model, Profile
+from llmgw.core.builds import comfyui_archive
 from llmgw.core.engine_names import INSTALLABLE
 from llmgw.core.names import NameRuleError, check_model_name
 from llmgw.core.weights import SourceError, check_patterns
@@ -33,6 +34,13 @@ def offline_settings(manifest: Manifest, trusted_keys: list[str]
         elif engine.name in engines:
             notes.append(f"engines.{engine.name}: {engines[engine.name].version}; the bundle "
                          f"also holds {engine.version}")
+        elif engine.name == "comfyui":
+            # GitHub publishes no digest for its tag archive: server.yaml pins the bundle's.
+            asset = comfyui_archive(engine.version)
+            digests = {f.path: f.sha256 for f in manifest.files}
+            pinned = digests.get(engine_path(engine.name, engine.version, asset))
+            engines[engine.name] = EngineRelease(
+                version=engine.version, sha256={asset: pinned} if pinned else {})
         else:
             engines[engine.name] = EngineRelease(version=engine.version)
     if not engines:

@@ -1,15 +1,16 @@
-"""A Python engine's wheel set (vLLM, SGLang) for a bundle, so that air-gapped nodes can
-install it with no index.
+"""A Python engine's wheel set (vLLM, SGLang; ComfyUI's requirements.txt, comfyui.py) for
+a bundle, so that air-gapped nodes can install it with no index.
 
-``uv pip compile`` resolves ``NAME==VERSION`` for one target, a CPython version on a Linux
-platform (``x86_64-manylinux_2_28``: glibc 2.28 or later on x86_64), against the indexes
-as they stood at ``exclude_newer``, and writes the resolution as a pylock.toml (PEP 751).
-uv 0.13 lists, for each package, the wheels that can install on the target, with the
-sha256 the index gives, and drops the packages whose markers the target does not meet.
-:func:`choose` keeps the one wheel per package that suits the target most closely, as
-pip would rank them; :func:`requirements_text` pins each with its sha256, one
-``--require-hashes`` entry per package and no markers, for ``uv pip install --no-index
---find-links <folder> --require-hashes -r requirements.txt`` on the nodes.
+``uv pip compile`` resolves ``NAME==VERSION`` (or a requirements text) for one target, a
+CPython version on a Linux platform (``x86_64-manylinux_2_28``: glibc 2.28 or later on
+x86_64), against the indexes as they stood at ``exclude_newer``, and writes the
+resolution as a pylock.toml (PEP 751). uv 0.13 lists, for each package, the wheels that
+can install on the target, with the sha256 the index gives, and drops the packages whose
+markers the target does not meet. :func:`choose` keeps the one wheel per package that
+suits the target most closely, as pip would rank them; :func:`requirements_text` pins
+each with its sha256, one ``--require-hashes`` entry per package and no markers, for
+``uv pip install --no-index --find-links <folder> --require-hashes -r requirements.txt``
+on the nodes.
 
 Wheels only: a node builds nothing, so a package of which the index serves only a source
 archive for the target refuses the whole bundle. uv reads no configuration file and no

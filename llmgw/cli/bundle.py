@@ -37,7 +37,8 @@ def add_parser(sub) -> None:
 
     c = cmds.add_parser(
         "create", help="make a bundle (on a connected machine)",
-        description="Download engine archives (checked against their publisher's sha256), "
+        description="Download engine archives (checked against their publisher's sha256, "
+        "or ComfyUI's against --engine-sha256), "
         "Python engines' wheel sets (resolved with uv for --python on --python-platform, "
         "each wheel checked against its index's sha256), model files (pinned to the commit "
         "their revision names, checked against the hub's listing) and llmgw's wheels or Nix "
@@ -50,33 +51,40 @@ def add_parser(sub) -> None:
                    help="the signing key (`llmgw bundle keygen`)")
     c.add_argument("--engine", action="append", default=[], metavar="NAME[@VERSION]",
                    help="an engine to bundle: llama.cpp (its archives), vllm or sglang (the "
-                   "wheels NAME==VERSION resolves to, and a requirements.txt pinning them); "
-                   "default version: the one this llmgw was checked against; repeat for "
-                   "several versions")
+                   "wheels NAME==VERSION resolves to, and a requirements.txt pinning them), "
+                   "comfyui (its source archive, pinned with --engine-sha256, and the wheels "
+                   "its requirements.txt resolves to); default version: the one this llmgw "
+                   "was checked against; repeat for several versions")
+    c.add_argument("--engine-sha256", action="append", default=[], metavar="FILE=SHA256",
+                   help="comfyui: the sha256 of its tag archive (v0.3.60.tar.gz=…), which "
+                   "GitHub publishes none for: the one server.yaml pins under "
+                   "engines.comfyui.sha256; repeatable")
     c.add_argument("--arch", action="append", default=[], metavar="ARCH",
                    help="llama.cpp: the nodes' processors (x86_64, aarch64); default x86_64")
     c.add_argument("--build", action="append", default=[], metavar="BUILD",
                    help="llama.cpp: only these builds (cpu, vulkan, cuda-13.3, cuda-12.8); "
                    "default all")
     c.add_argument("--python", default=wheelsets.DEFAULT_PYTHON, metavar="X.Y",
-                   help="vllm, sglang: the CPython version the nodes build engines with "
-                   f"(default {wheelsets.DEFAULT_PYTHON}, as the agent does)")
+                   help="vllm, sglang, comfyui: the CPython version the nodes build engines "
+                   f"with (default {wheelsets.DEFAULT_PYTHON}, as the agent does)")
     c.add_argument("--python-platform", default=wheelsets.DEFAULT_PLATFORM,
                    metavar="PLATFORM",
-                   help="vllm, sglang: the nodes' platform, ARCH-manylinux_2_NN with the "
-                   f"oldest glibc among them (default {wheelsets.DEFAULT_PLATFORM}; "
+                   help="vllm, sglang, comfyui: the nodes' platform, ARCH-manylinux_2_NN with "
+                   f"the oldest glibc among them (default {wheelsets.DEFAULT_PLATFORM}; "
                    "aarch64-manylinux_2_35 for Grace and other ARM nodes)")
     c.add_argument("--index-url", default=PYPI, metavar="URL",
-                   help=f"vllm, sglang: the package index (default {PYPI})")
+                   help=f"vllm, sglang, comfyui: the package index (default {PYPI})")
     c.add_argument("--extra-index-url", action="append", default=[], metavar="URL",
-                   help="vllm, sglang: another index, searched first (e.g. PyTorch's for a "
-                   "CUDA build of torch); repeatable")
+                   help="vllm, sglang, comfyui: another index, searched first (e.g. "
+                   "PyTorch's for a CUDA build of torch); repeatable")
     c.add_argument("--exclude-newer", default="", metavar="DATE",
-                   help="vllm, sglang: resolve as the indexes stood at DATE (2025-06-30 or "
-                   "an RFC 3339 time); default now")
+                   help="vllm, sglang, comfyui: resolve as the indexes stood at DATE "
+                   "(2025-06-30 or an RFC 3339 time); default now, and for comfyui a day "
+                   "after its archive's file dates, as nodes resolve it")
     c.add_argument("--release-url", default="", metavar="URL",
                    help="where engine archives are: URL/VERSION/FILE with URL/VERSION/"
-                   "SHA256SUMS; default the publisher's GitHub releases")
+                   "SHA256SUMS (comfyui: URL/FILE, as engines.comfyui.release_url); default "
+                   "the publisher's GitHub releases")
     c.add_argument("--model", action="append", default=[],
                    metavar="NAME=hf://ORG/REPO[@REVISION][:GLOB,...]",
                    help="a model's files, pinned to the commit REVISION (default main) "
@@ -208,6 +216,7 @@ def _create(args: argparse.Namespace) -> int:
             llmgw_version=args.llmgw_version,
             expires_in=create.parse_duration(args.expires_in),
             release_url=args.release_url, hub=args.hub, hub_token=token,
+            engine_sha256=dict(create.parse_engine_sha256(p) for p in args.engine_sha256),
             python_target=wheelsets.Target(
                 python=args.python, platform=args.python_platform, index_url=args.index_url,
                 extra_index_urls=tuple(args.extra_index_url),

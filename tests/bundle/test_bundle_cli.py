@@ -114,8 +114,10 @@ def test_refusals_exit_2_with_one_line_and_leave_the_mirror_as_it_was(
     assert nokey.stderr.startswith("llmgw bundle verify: no key is trusted: list the bundle "
                                    "signer's public key in server.yaml's bundle.trusted_keys")
 
-    not_carried = llmgw("create", tmp_path / "x", "--key", parts.key, "--engine",
-                        "comfyui@0.3.0")
-    assert not_carried.returncode == 2
-    assert "bundles do not carry comfyui yet" in not_carried.stderr
+    unpinned = llmgw("create", tmp_path / "x", "--key", parts.key, "--engine",
+                     "comfyui@0.3.0")
+    assert unpinned.returncode == 2
+    assert "GitHub publishes no digest for ComfyUI's tag archive v0.3.0.tar.gz, so it " \
+           "cannot be checked without one: give --engine-sha256 v0.3.0.tar.gz=SHA256" \
+           in unpinned.stderr
     assert not (tmp_path / "x").exists()

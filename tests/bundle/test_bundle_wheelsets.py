@@ -251,12 +251,13 @@ def test_a_target_that_is_not_a_linux_cpython_from_an_index_is_refused(changes, 
         Target(**changes)
 
 
-def test_versions_are_read_and_comfyui_is_not_bundled_yet():
+def test_versions_are_read_and_an_engine_without_a_default_needs_one():
     assert create.parse_engine("vllm@0.11.0", ("x86_64",), ()).version == "0.11.0"
-    with pytest.raises(BundleError, match="sglang has no default version; write sglang@"):
-        create.parse_engine("sglang", ("x86_64",), ())
-    with pytest.raises(BundleError, match="bundles do not carry comfyui yet"):
-        create.parse_engine("comfyui@0.3.0", ("x86_64",), ())
+    assert create.parse_engine("comfyui@0.3.0", ("x86_64",), ()).version == "0.3.0"
+    for name in ("sglang", "comfyui"):
+        with pytest.raises(BundleError, match=f"{name} has no default version; write "
+                                              f"{name}@VERSION"):
+            create.parse_engine(name, ("x86_64",), ())
 
 
 def test_llmgw_lock_refusals_name_what_is_wrong_and_leave_nothing(key, tmp_path, wheels):

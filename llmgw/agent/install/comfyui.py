@@ -15,6 +15,12 @@ once every step below passed, in a dotted scratch directory removed whatever the
    server.yaml names ``exclude_newer``);
 4. the environment built from that list (``pyenv.build_environment``, hashes required,
    torch from PyTorch's own index where the build says) ran the import check.
+
+From the control plane's mirror, steps 3 and 4 read no index: the bundle holds the wheel
+set ``llmgw bundle create`` resolved from the same archive by the same rules
+(bundle/comfyui.py), beside the archive, and the environment is built from those wheels
+(``pyenv.build_from_bundle``), each checked against the sha256 the control plane sent
+from the bundle's signed manifest.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import os
 import secrets
 import shutil
 import tarfile
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
@@ -45,19 +51,21 @@ from llmgw.agent.install.archives import (
 )
 from llmgw.agent.install.download import check_sha256, download, shown
 from llmgw.agent.install.pyenv import (
+    BUNDLED,
     build_environment,
+    build_from_bundle,
     check_source_requirements,
     compile_requirements,
 )
 from llmgw.agent.install.pypi import InstallError
 from llmgw.agent.weights.manifest import size_text
+from llmgw.core import requirements
 
 NAME = "comfyui"
 MAIN = "main.py"
 REQUIREMENTS = "requirements.txt"
 ENVIRONMENT = "venv"  # beside main.py: where engines/comfyui.py looks for its Python
 _SCRATCH_PREFIX = ".source@"  # '@' is in no valid name, so a sweep finds only its own
-_MAX_REQUIREMENTS_BYTES = 1 * 2**20
 # ComfyUI's source is a few thousand files; its archive tens of MB.
 _MAX_MEMBERS = 50_000
 _MAX_UNPACKED_BYTES = 2 * 2**30
@@ -78,22 +86,23 @@ def day_after(archive: Path) -> str | None:
             newest = max((m.mtime for m in tar), default=0)
     except tarfile.TarError:
         return None  # a zip: no dates to go by
-    if newest <= 0:
-        return None
-    when = datetime.fromtimestamp(newest, UTC) + timedelta(days=1)
-    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
+    return requirements.day_after(newest)
 
 
 async def install_comfyui(http: aiohttp.ClientSession, *, root: Path, version: str,
                           directory: str, url: str, sha256: str, index_url: str,
                           extra_index_urls: Sequence[str], exclude_newer: str,
                           python: str, import_check: str, status: Callable[[str], None],
-                          min_free_bytes: int) -> Path:
+                          min_free_bytes: int,
+                          wheel_set: Mapping[str, str] | None = None) -> Path:
     """Install ComfyUI ``version`` from the source archive at ``url`` into
     ``root/comfyui/directory`` and return that directory (an install already there is
     returned as it is). ``index_url`` and ``extra_index_urls`` are where packages come from
-    (the control plane's and the build's, never the requirements file's). Every failure
-    raises InstallError in words for the operator and leaves nothing in place."""
+    (the control plane's and the build's, never the requirements file's), unless
+    ``wheel_set`` is given: a bundle's files beside the archive (file -> sha256, from its
+    signed manifest: the wheels and their requirements.txt), which are installed instead
+    and no index is read. Every failure raises InstallError in words for the operator and
+    leaves nothing in place."""
     _, directory = checked_name_version(NAME, directory)
     label = URL(url).name or shown(url)
     if not sha256:
@@ -120,33 +129,44 @@ async def install_comfyui(http: aiohttp.ClientSession, *, root: Path, version: s
         await asyncio.to_thread(unpack_archive, archive, tree, max_members=_MAX_MEMBERS,
                                 max_bytes=_MAX_UNPACKED_BYTES)
         source = await asyncio.to_thread(_source_top, tree, label)
-        cutoff = exclude_newer or await asyncio.to_thread(day_after, archive)
-        if not cutoff:
-            raise InstallError(f"{label} gives no file dates to tell when ComfyUI {version} "
-                               "was released; name the day after in server.yaml under "
-                               "engines.comfyui.exclude_newer")
+        cutoff = None
+        if wheel_set is None:
+            cutoff = exclude_newer or await asyncio.to_thread(day_after, archive)
+            if not cutoff:
+                raise InstallError(f"{label} gives no file dates to tell when ComfyUI "
+                                   f"{version} was released; name the day after in "
+                                   "server.yaml under engines.comfyui.exclude_newer")
         await asyncio.to_thread(archive.unlink)
 
-        what = f"ComfyUI {version}'s {REQUIREMENTS}"
-        text = await asyncio.to_thread(_read_requirements, source / REQUIREMENTS, what)
-        wanted = check_source_requirements(text, what)
-        status(f"resolving {len(wanted)} requirements of ComfyUI {version} as of {cutoff}")
-        pinned = await compile_requirements(
-            text, index_url=index_url, extra_index_urls=extra_index_urls,
-            exclude_newer=cutoff, python=python, cache_dir=root / ".uv-cache", what=what)
         # Built as an engine of its own in the scratch directory, then moved beside main.py
         # (uv made it relocatable).
-        environment = await build_environment(
-            root=work, name=NAME, version=directory, requirements=pinned,
-            index_url=index_url, extra_index_urls=extra_index_urls, python=python,
-            exclude_newer=cutoff, import_check=import_check, status=status,
-            min_free_bytes=min_free_bytes, cache_dir=root / ".uv-cache")
+        if wheel_set is not None:
+            # The bundle's wheel set, beside the archive (engines/comfyui/<version>/).
+            environment = await build_from_bundle(
+                http, base_url=url.rsplit("/", 1)[0], pins=wheel_set, root=work, name=NAME,
+                version=directory, python=python, import_check=import_check,
+                status=status, min_free_bytes=min_free_bytes, cache_dir=root / ".uv-cache")
+        else:
+            what = f"ComfyUI {version}'s {REQUIREMENTS}"
+            text = await asyncio.to_thread(_read_requirements, source / REQUIREMENTS, what)
+            wanted = check_source_requirements(text, what)
+            status(f"resolving {len(wanted)} requirements of ComfyUI {version} as of "
+                   f"{cutoff}")
+            pinned = await compile_requirements(
+                text, index_url=index_url, extra_index_urls=extra_index_urls,
+                exclude_newer=cutoff, python=python, cache_dir=root / ".uv-cache", what=what)
+            environment = await build_environment(
+                root=work, name=NAME, version=directory, requirements=pinned,
+                index_url=index_url, extra_index_urls=extra_index_urls, python=python,
+                exclude_newer=cutoff, import_check=import_check, status=status,
+                min_free_bytes=min_free_bytes, cache_dir=root / ".uv-cache")
         # The pinned list and what was installed stay in venv/ (pyenv's files).
         await asyncio.to_thread(os.rename, environment, source / ENVIRONMENT)
 
         marker = {"name": NAME, "version": version, "url": shown(url), "sha256": digest,
                   "binary": MAIN, "python": f"{ENVIRONMENT}/bin/python",
-                  "index_url": index_url, "extra_index_urls": list(extra_index_urls),
+                  "index_url": BUNDLED if wheel_set is not None else index_url,
+                  "extra_index_urls": [] if wheel_set is not None else list(extra_index_urls),
                   "exclude_newer": cutoff, "import_check": import_check,
                   "installed_at": datetime.now(UTC).isoformat(timespec="seconds")}
         await asyncio.to_thread((source / MARKER).write_text, json.dumps(marker, indent=1))
@@ -174,11 +194,8 @@ def _source_top(tree: Path, label: str) -> Path:
 
 def _read_requirements(path: Path, what: str) -> str:
     size = path.stat().st_size
-    if size > _MAX_REQUIREMENTS_BYTES:
+    if size > requirements.MAX_SOURCE_REQUIREMENTS_BYTES:
         raise InstallError(f"{what} is {size_text(size)}; over "
-                           f"{size_text(_MAX_REQUIREMENTS_BYTES)} is no requirements file")
+                           f"{size_text(requirements.MAX_SOURCE_REQUIREMENTS_BYTES)} is no "
+                           "requirements file")
     return path.read_text(errors="replace")
-
-
-
-

@@ -349,7 +349,9 @@ class EngineInstaller:
                     index_url=want.index_url, extra_index_urls=extra_indexes,
                     exclude_newer=want.exclude_newer, python=self._python,
                     import_check=_IMPORT_CHECKS[want.name], status=status,
-                    min_free_bytes=build.min_free_mib * 2**20)
+                    min_free_bytes=build.min_free_mib * 2**20,
+                    # On the mirror, the bundle's wheel set beside the archive: no index.
+                    wheel_set=want.sha256 if is_mirrored(want.release_url) else None)
         if build.kind == "python":
             found = pyenv.installed_environment(self.root, want.name, build.directory)
             if found is not None:

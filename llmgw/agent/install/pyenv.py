@@ -41,6 +41,8 @@ from llmgw.agent.install.archives import (
 from llmgw.agent.install.download import download
 from llmgw.agent.install.ospkg import CommandResult, run_command
 from llmgw.agent.install.pypi import InstallError
+from llmgw.core import requirements as core_requirements
+from llmgw.core.requirements import RequirementsError
 from llmgw.core.wheels import MAX_WHEEL_BYTES
 from llmgw.uvenv import UvFailed, run_uv, uv_env
 
@@ -55,19 +57,6 @@ VENV_TIMEOUT_S = 300.0
 INSTALL_TIMEOUT_S = 3600.0  # vLLM is several GB of wheels
 IMPORT_TIMEOUT_S = 600.0  # importing torch and touching the GPU the first time is slow
 
-_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-_PINNED = re.compile(rf"({_NAME})\s*(\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*==\s*"
-                     r"([A-Za-z0-9.+!_-]+)\s*(;.*)?")
-# An unpinned requirement, as a source tree's requirements.txt gives them: "numpy>=1.25.0".
-_SPECIFIER = r"(?:~=|===|==|!=|<=|>=|<|>)\s*[A-Za-z0-9.*+!_-]+"
-_SPECIFIED = re.compile(rf"{_NAME}\s*(\[\s*{_NAME}(?:\s*,\s*{_NAME})*\s*\])?\s*"
-                        rf"(?:{_SPECIFIER}(?:\s*,\s*{_SPECIFIER})*)?\s*(;.*)?")
-_HASH = re.compile(r"sha256:[0-9a-f]{64}")
-_OPTIONS_START = re.compile(r"(?:^|\s)-")
-_COMMENT = re.compile(r"(?:^|\s)#.*$")
-_INDEX_OPTIONS = ("-i", "--index-url", "--extra-index-url", "-f", "--find-links",
-                  "--no-index", "--trusted-host", "--index")
-
 
 # An environment is marked like an archive install, and found the same way.
 installed_environment = installed_archive
@@ -76,97 +65,22 @@ installed_environment = installed_archive
 # --- the requirements text ---------------------------------------------------------------
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, text) per requirement, continuations joined, comments gone."""
-    out: list[tuple[int, str]] = []
-    pending, start = "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = _COMMENT.sub("", raw)
-        if not pending:
-            start = number
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        joined = (pending + line).strip()
-        pending = ""
-        if joined:
-            out.append((start, joined))
-    if pending.strip():
-        out.append((start, pending.strip()))
-    return out
-
-
-def _refusal(spec: str, options: str, pinned: bool = True) -> str | None:
-    """Why one requirement line is not a plain, pinned, hashed package from the index (with
-    ``pinned`` False: a package from the index, any version specifier, no options)."""
-    if not spec:
-        option = options.split()[0].split("=")[0]
-        if option in ("-e", "--editable"):
-            return "is an editable install; only packages from the index are taken"
-        if option in ("-r", "--requirement", "-c", "--constraint"):
-            return "includes another file; give every package in this text"
-        if option in _INDEX_OPTIONS:
-            return "names an index or a place to find packages; the index is llmgw's to choose"
-        return f"is an option ({option}); only packages with --hash options are taken"
-    if "://" in spec or re.match(r"(git|hg|svn|bzr)\+", spec):
-        return "names a URL; only packages from the index are taken"
-    if re.match(rf"{_NAME}\s*(\[[^\]]*\])?\s*@", spec):
-        return "is a direct reference (name @ URL); only packages from the index are taken"
-    if spec.startswith((".", "/", "~")) or "/" in spec.split(";")[0] or "\\" in spec \
-            or spec.endswith((".whl", ".tar.gz", ".zip")):
-        return "is a path; only packages from the index are taken"
-    if not pinned:
-        if options:
-            return f"has the option {options.split()[0]}; only package names are taken"
-        if not _SPECIFIED.fullmatch(spec):
-            return "is not a package name with version specifiers"
-        return None
-    if not _PINNED.fullmatch(spec):
-        return "is not pinned to one version with =="
-    words = options.replace("=", " ").split()
-    hashes = [w for w in words if w != "--hash"]
-    if any(w.startswith("-") for w in hashes):
-        bad = next(w for w in hashes if w.startswith("-"))
-        return f"has the option {bad}; only --hash is taken after a package"
-    if not hashes:
-        return "has no --hash=sha256:…; every package needs the sha256 of its files"
-    if not all(_HASH.fullmatch(h) for h in hashes) or words.count("--hash") != len(hashes):
-        return "has a --hash that is not sha256:<64 hex digits>"
-    return None
-
-
-def _checked_lines(text: str, pinned: bool, what: str) -> list[str]:
-    specs: list[str] = []
-    for number, line in _logical_lines(text):
-        cut = _OPTIONS_START.search(line)
-        spec = line[:cut.start()].strip() if cut else line
-        options = line[cut.start():].strip() if cut else ""
-        why = _refusal(spec, options, pinned)
-        if why:
-            shown = line if len(line) <= 160 else line[:157] + "..."
-            raise InstallError(f"{what} line {number} ({shown}) {why}")
-        specs.append(spec)
-    if not specs:
-        raise InstallError(f"the {what} name no packages")
-    return specs
-
-
 def check_requirements(text: str) -> list[str]:
     """The packages (``name==version``) of a pinned, hashed requirements text; InstallError
-    naming the first line that is anything else."""
-    packages: list[str] = []
-    for spec in _checked_lines(text, True, "requirements"):
-        match = _PINNED.fullmatch(spec)
-        assert match is not None
-        packages.append(f"{match[1]}=={match[3]}")
-    return packages
+    naming the first line that is anything else (core.requirements)."""
+    try:
+        return core_requirements.check_requirements(text)
+    except RequirementsError as err:
+        raise InstallError(str(err)) from None
 
 
 def check_source_requirements(text: str, what: str) -> list[str]:
-    """The requirements of a source tree (``numpy>=1.25.0``, ``torch``), each a package from
-    the index with version specifiers at most; InstallError naming the first line that is
-    a URL, a path, a VCS reference, an option or anything else. ``what`` names the file."""
-    return _checked_lines(text, False, what)
+    """The requirements of a source tree (``numpy>=1.25.0``, ``torch``); InstallError naming
+    the first line that is anything but a package from the index (core.requirements)."""
+    try:
+        return core_requirements.check_source_requirements(text, what)
+    except RequirementsError as err:
+        raise InstallError(str(err)) from None
 
 
 # --- building ----------------------------------------------------------------------------
@@ -331,12 +245,13 @@ async def build_environment(*, root: Path, name: str, version: str, requirements
 async def build_from_bundle(session: aiohttp.ClientSession, *, base_url: str,
                             pins: Mapping[str, str], root: Path, name: str, version: str,
                             python: str, import_check: str, status: Callable[[str], None],
-                            min_free_bytes: int) -> Path:
+                            min_free_bytes: int, cache_dir: Path | None = None) -> Path:
     """Build the environment from a bundle's wheel set on the control plane's mirror:
     ``pins`` maps each file at ``base_url`` to its sha256 (from the bundle's signed
-    manifest, sent by the control plane), the wheels and their ``requirements.txt``. Only
-    the wheels that can suit ``python`` here are fetched, each checked against its pin,
-    and installed with no index (``build_environment`` with ``find_links``)."""
+    manifest, sent by the control plane), the wheels and their ``requirements.txt``; any
+    other file pinned there (ComfyUI's source archive) is left alone. Only the wheels
+    that can suit ``python`` here are fetched, each checked against its pin, and installed
+    with no index (``build_environment`` with ``find_links``)."""
     name, version = checked_name_version(name, version)
     existing = installed_environment(root, name, version)
     if existing is not None:
@@ -367,7 +282,7 @@ async def build_from_bundle(session: aiohttp.ClientSession, *, base_url: str,
         return await build_environment(
             root=root, name=name, version=version, requirements=requirements, index_url="",
             python=python, exclude_newer=None, import_check=import_check, status=status,
-            min_free_bytes=min_free_bytes, find_links=folder)
+            min_free_bytes=min_free_bytes, cache_dir=cache_dir, find_links=folder)
     except OSError as err:
         raise InstallError(f"installing {name} {version} in {root}: "
                            f"{err.strerror or err}") from None
