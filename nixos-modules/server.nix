@@ -2,9 +2,11 @@
 #
 # `settings` is llmgw's own server.yaml (docs/configuration.md), typed where the module
 # reads a value itself and free-form elsewhere; the module adds only what it owns (the
-# state directory, and the secret files as systemd credentials). systemd holds the
-# listening socket (llmgw-server.socket) and passes it to each server it starts, so a
-# restart or an upgrade refuses no connection: the kernel queues them meanwhile.
+# state directory, and the secret files as systemd credentials). The file is
+# /etc/llmgw/server.yaml: `nixos-rebuild switch` reloads the server (SIGHUP) when only keys
+# a reload applies changed, and restarts it otherwise. systemd holds the listening socket
+# (llmgw-server.socket) and passes it to each server it starts, so a restart or an upgrade
+# refuses no connection: the kernel queues them meanwhile.
 #
 # `monitoring` runs a Prometheus on the same machine that scrapes the server and, through
 # the server's /api/metrics/targets, every node's node_exporter, with llmgw's alert rules
@@ -20,7 +22,42 @@ let
   shared = import ./lib.nix { inherit lib; };
   cfg = config.services.llmgw.server;
   yaml = pkgs.formats.yaml { };
-  configFile = yaml.generate "llmgw-server.yaml" (shared.withoutNulls cfg.settings);
+  written = shared.withoutNulls cfg.settings;
+  configFile = yaml.generate "llmgw-server.yaml" written;
+  # The server reads server.yaml where a switch replaces it, as nginx's module does: the
+  # unit itself then names no store path that changes with `settings`, and the triggers
+  # below decide whether a switch reloads or restarts it.
+  configPath = "/etc/llmgw/server.yaml";
+
+  # What `systemctl reload` (SIGHUP) applies at once: llmgw/core/config_change.py's LIVE,
+  # each a top-level key or a `section.key`. tests/nixos checks that they agree, key by key.
+  liveKeys = [
+    "models"
+    "log_level"
+    "gateway.first_byte_timeout_s"
+    "gateway.idle_timeout_s"
+    "gateway.queue_max"
+    "gateway.queue_wait_s"
+    "gateway.affinity"
+    "gateway.affinity_epsilon"
+    "auth.require_api_key"
+    "auth.session_ttl_s"
+  ];
+  # server.yaml less one live key. A section left empty goes too: llmgw reads an absent
+  # `gateway` or `auth` and an empty one alike.
+  withoutKey = settings: key:
+    let
+      path = lib.splitString "." key;
+      section = builtins.head path;
+      rest = removeAttrs settings.${section} [ (lib.last path) ];
+    in
+    if builtins.length path == 1 then removeAttrs settings [ key ]
+    else if !builtins.isAttrs (settings.${section} or null) then settings
+    else if rest == { } then removeAttrs settings [ section ]
+    else settings // { ${section} = rest; };
+  # The settings only a restart applies: a switch that changes one of them restarts the
+  # server, one that changes live keys alone reloads it.
+  restartSettings = builtins.foldl' withoutKey written liveKeys;
 
   # Files the server reads reach it as systemd credentials: it runs as a dynamic user that
   # cannot read the operator's files, and they never enter the Nix store.
@@ -46,7 +83,7 @@ let
       PGPASSWORD="$(< "$CREDENTIALS_DIRECTORY/store-password")"
       export PGPASSWORD
     ''}
-    exec ${lib.getExe cfg.package} server --config ${configFile}
+    exec ${lib.getExe cfg.package} server --config ${configPath}
   '';
 
   listen = cfg.settings.listen;
@@ -326,6 +363,7 @@ in
     };
 
     environment.systemPackages = [ cfg.package ];
+    environment.etc.${lib.removePrefix "/etc/" configPath}.source = configFile;
 
     systemd.sockets.llmgw-server = {
       description = "llmgw server's listening socket";
@@ -348,12 +386,17 @@ in
       # nixos-rebuild switch restarts the server in one step instead of stopping it and
       # starting it later: the socket keeps queueing connections meanwhile.
       stopIfChanged = false;
-      restartTriggers = [ configFile ];
+      # A switch that changes only live keys reloads the server (switch-to-configuration
+      # reloads a unit whose X-Reload-Triggers alone changed); any other change of
+      # server.yaml changes X-Restart-Triggers too, and restarts it.
+      reloadTriggers = [ configFile ];
+      restartTriggers = [ (builtins.toJSON restartSettings) ];
       environment.PYTHONUNBUFFERED = "1";
       serviceConfig = {
         Type = "exec";
         ExecStart = start;
-        # `systemctl reload llmgw-server`: server.yaml read again (docs/operations.md).
+        # `systemctl reload llmgw-server`: /etc/llmgw/server.yaml read again
+        # (docs/operations.md).
         ExecReload = "${pkgs.coreutils}/bin/kill -HUP $MAINPID";
         Restart = "on-failure";
         RestartSec = 2;

@@ -29,6 +29,14 @@ let
       firewall = { inherit (config.networking.firewall) allowedTCPPorts allowedTCPPortRanges; };
       tmpfiles = config.systemd.tmpfiles.rules;
       systemPackages = map (p: p.outPath) config.environment.systemPackages;
+      # /etc as NixOS links it: each enabled file by its path under /etc.
+      etc = lib.listToAttrs (map (file: lib.nameValuePair file.target {
+          source = "${file.source}";
+          inherit (file) mode;
+        }) (lib.filter (file: file.enable) (lib.attrValues config.environment.etc)));
+      etcDrvs = lib.listToAttrs (map (file: lib.nameValuePair file.target file.source.drvPath)
+        (lib.filter (file: file.enable && file.source ? drvPath)
+          (lib.attrValues config.environment.etc)));
     };
 in
 {

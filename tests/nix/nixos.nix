@@ -50,6 +50,30 @@ let
         # nixos/modules/config/system-path.nix
         environment.systemPackages = mkOption { type = types.listOf types.package; default = [ ]; };
 
+        # nixos/modules/system/etc/etc.nix: the files linked (or copied) into /etc
+        environment.etc = mkOption {
+          default = { };
+          type = types.attrsOf (types.submodule ({ name, config, options, ... }: {
+            options = {
+              enable = mkOption { type = types.bool; default = true; };
+              target = mkOption { type = types.str; };
+              text = mkOption { type = types.nullOr types.lines; default = null; };
+              source = mkOption { type = types.path; };
+              mode = mkOption { type = types.str; default = "symlink"; };
+              uid = mkOption { type = types.int; default = 0; };
+              gid = mkOption { type = types.int; default = 0; };
+              user = mkOption { type = types.str; default = "+${toString config.uid}"; };
+              group = mkOption { type = types.str; default = "+${toString config.gid}"; };
+            };
+            config = {
+              target = lib.mkDefault name;
+              source = lib.mkIf (config.text != null) (
+                let name' = "etc-" + lib.replaceStrings [ "/" ] [ "-" ] name;
+                in lib.mkDerivedConfig options.text (pkgs.writeText name'));
+            };
+          }));
+        };
+
         # nixos/modules/services/networking/firewall.nix
         networking.firewall = {
           enable = mkOption { type = types.bool; default = true; };

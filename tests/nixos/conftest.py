@@ -130,12 +130,14 @@ def values(unit: str, name: str, key: str) -> list[str]:
 
 
 class Rendered:
-    """What a system's units reach: its scripts and YAML files, read from the .drv files."""
+    """What a system's units and /etc files reach: its scripts and YAML files, read from
+    the .drv files."""
 
     def __init__(self, nix: Nix, report: dict):
         self.report = report
         self.units = report["units"]
-        self.drvs = nix.derivations(*report["unitDrvs"].values())
+        self.drvs = nix.derivations(*report["unitDrvs"].values(),
+                                    *report["etcDrvs"].values())
 
     def env(self, store_path: str) -> dict[str, str]:
         return self.drvs[store_path]["env"]
@@ -149,10 +151,22 @@ class Rendered:
         return self.env(self.exec_start(unit))["text"]
 
     def config_file(self, command: str) -> str:
-        match = re.search(r"--config (/nix/store/\S+\.yaml)", command)
+        """The path a command's --config names: a store path, or a file the system links
+        into /etc."""
+        match = re.search(r"--config (/nix/store/\S+\.yaml|/etc/\S+)", command)
         assert match, command
         return match.group(1)
 
+    def store_path(self, path: str) -> str:
+        """The store path behind a path on the machine: /etc/X is the system's
+        environment.etc entry X."""
+        if not path.startswith("/etc/"):
+            return path
+        etc = self.report["etc"]
+        target = path.removeprefix("/etc/")
+        assert target in etc, f"{path} is not in the system's /etc: {sorted(etc)}"
+        return etc[target]["source"]
+
     def yaml_of(self, command: str) -> dict:
         """The YAML a command's --config names, as pkgs.formats.yaml writes it."""
-        return json.loads(self.env(self.config_file(command))["value"])
+        return json.loads(self.env(self.store_path(self.config_file(command)))["value"])

@@ -118,6 +118,16 @@ def test_the_server_unit(nix, systems, tmp_path):
         "AF_INET", "AF_INET6", "AF_UNIX"]
     # A switch restarts the server in one step; the socket holds the listener meanwhile.
     assert ("X-StopIfChanged", "false") in section(service, "Service")
+    # server.yaml at a path the unit names for good; what a switch changes of it reaches
+    # the unit through the triggers (tests/nixos/test_server_switch.py).
+    [restart_triggers] = values(service, "Unit", "X-Restart-Triggers")
+    [reload_triggers] = values(service, "Unit", "X-Reload-Triggers")
+    assert rendered.env(reload_triggers)["text"] == rendered.store_path("/etc/llmgw/server.yaml")
+    assert json.loads(rendered.env(restart_triggers)["text"]) == {
+        "listen": {"host": "127.0.0.1", "port": 8080, "allow_plain_http": False},
+        "state_dir": "/var/lib/llmgw"}
+    assert systems["server"]["etc"] == {"llmgw/server.yaml": {
+        "source": rendered.store_path("/etc/llmgw/server.yaml"), "mode": "symlink"}}
     unit = dict(section(service, "Unit"))
     assert unit["Requires"] == "llmgw-server.socket"
     assert "llmgw-server.socket" in unit["After"].split()
@@ -130,6 +140,7 @@ def test_the_server_unit(nix, systems, tmp_path):
 
     script = rendered.script("llmgw-server.service")
     assert "PGPASSWORD" not in script
+    assert rendered.config_file(script) == "/etc/llmgw/server.yaml"
     server = rendered.yaml_of(script)
     assert server == {"listen": {"host": "127.0.0.1", "port": 8080, "allow_plain_http": False},
                       "state_dir": "/var/lib/llmgw"}
