@@ -170,8 +170,9 @@ def one_run(kind: str, state: Path, timeout_s: float, env: dict[str, str]) -> Ru
 PHASES = [  # (row, from mark, to mark)
     ("up: import, store, key → server spawned", None, "server spawned"),
     ("server: import, store, start → listening", "server spawned", "server listening"),
-    ("up: sees it listening → agent spawned", "server listening", "agent spawned"),
-    ("agent: import, start → registered", "agent spawned", "agent registered"),
+    # The agent is spawned with the server; its own start overlaps the server's.
+    ("agent: import, start, dial → registered", "server spawned", "agent registered"),
+    ("  of which after the server listened", "server listening", "agent registered"),
     ("server: registered → replica placed", "agent registered", "replica placed"),
     ("agent: placed → engine started", "replica placed", "engine started"),
     ("engine: started → replica ready", "engine started", "replica ready"),

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,6 +42,8 @@ from llmgw.store.urls import store_url
 
 SIM_MODEL = "sim-small"
 LLAMA_MODEL = "smollm2-135m"
+# How often up's agent dials its server while the server is still starting.
+UP_RECONNECT_S = 0.2
 console = Console(stderr=True, highlight=False)
 
 
@@ -205,6 +206,9 @@ def write_configs(state: Path, port: int, demo: Demo,
         # Its engines live and die with `llmgw up`: plain children, never system units.
         runtime="process",
         stop_shards_on_exit=True,
+        # Started beside the server, it dials until the server listens: often, so that it
+        # registers as soon as it can (the next dial is at most 0.2 s away).
+        reconnect=cfg.Reconnect(initial_s=UP_RECONNECT_S, max_s=UP_RECONNECT_S),
     )
     if port_range is not None:
         agent.port_range = port_range
@@ -248,10 +252,8 @@ async def api_key(state: Path, store: Store) -> str:
 
 
 async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
-                     start_agent: Callable[[], subprocess.Popen], timeout_s: float,
-                     model_name: str) -> None:
-    """Wait for the server to listen, start the agent (so it registers at its first try
-    rather than after a backoff), then wait for the model to be ready."""
+                     timeout_s: float, model_name: str) -> None:
+    """Wait for the server to listen, then for the model to be ready."""
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {admin_token}"}
     # Each wait here is time added to the first answer, and a status read costs the server
@@ -275,8 +277,6 @@ async def wait_ready(base: str, admin_token: str, procs: list[subprocess.Popen],
                     status.update("waiting for the server to listen…")
                     await asyncio.sleep(every_s)
                     continue
-                if len(procs) == 1:
-                    procs.append(start_agent())
                 model = next((m for m in body["models"] if m["name"] == model_name), None)
                 if model and model["replicas_ready"] > 0:
                     return
@@ -360,12 +360,12 @@ def up(args: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{args.port}"
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
-    procs = [_spawn("server", server_path, logs / "server.log")]
+    # Both at once: the agent's start (imports, inventory) overlaps the server's, and it
+    # dials until the server listens.
+    procs = [_spawn("server", server_path, logs / "server.log"),
+             _spawn("agent", agent_path, logs / "agent.log")]
     try:
-        asyncio.run(wait_ready(
-            base, admin_token, procs,
-            lambda: _spawn("agent", agent_path, logs / "agent.log"),
-            args.timeout, model_name))
+        asyncio.run(wait_ready(base, admin_token, procs, args.timeout, model_name))
         server, agent = procs
         # One print, so one write: whoever reads the output as it comes (a script, a
         # test) never finds the banner half written.
