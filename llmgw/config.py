@@ -148,9 +148,30 @@ class Selector(_Config):
     gpu_class: str | None = None
 
 
+class Endpoint(_Config):
+    """An OpenAI-compatible server someone else runs, serving the model beside (or
+    instead of) the replicas llmgw runs: routed, limited, metered and health-checked as
+    they are (docs/gateway.md, "Static endpoints")."""
+
+    # Its base URL, as an OpenAI client's base_url: http://10.0.0.5:8000/v1.
+    url: str
+    # A file holding its API key, sent as `Authorization: Bearer`; read at start and at
+    # each reload (SIGHUP).
+    api_key_file: str | None = None
+    # Its name for the model, set as the request body's `model`; absent: the model's own.
+    model: str | None = None
+    # Requests it takes at once; absent: as many as a replica without slots.
+    slots: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # https: CA certificates to check its certificate against instead of the system's.
+    ca_file: str | None = None
+
+
 class Model(_Config):
     name: str
-    profiles: Annotated[list[Profile], msgspec.Meta(min_length=1)]
+    # Engines llmgw runs for it; a model has profiles, endpoints, or both.
+    profiles: list[Profile] = []
+    # Servers someone else runs for it (Endpoint).
+    endpoints: list[Endpoint] = []
     replicas: Annotated[int, msgspec.Meta(ge=0)] = 1
     description: str = ""
     # A model that fits nowhere may evict replicas of models with a lower priority.
@@ -162,6 +183,12 @@ class Model(_Config):
     # Models (names or aliases) that serve this one's requests, tried in order, when it has
     # no ready replica or its queue refuses, before anything was sent to an engine.
     fallbacks: list[str] = []
+    # Scale to zero: after idle_unload_s without a request the model keeps min_replicas
+    # of its replicas (0: none); the next request places the rest again and waits, up to
+    # wake_timeout_s, for one to serve it. Without idle_unload_s, never unloaded.
+    idle_unload_s: PositiveSeconds | None = None
+    min_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    wake_timeout_s: PositiveSeconds = 300.0
 
 
 class Gateway(_Config):

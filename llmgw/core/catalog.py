@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llmgw import config
 from llmgw.core import engine_names
+from llmgw.core.endpoints import EndpointError, StaticEndpoint, static_endpoints
 from llmgw.core.names import NameRuleError, check_element, check_model_name
 from llmgw.core.weights import SourceError, check_patterns, parse_source, weights_key
 
@@ -60,11 +61,20 @@ class Model:
     description: str = ""
     priority: int = 0
     selector: Selector = Selector()
+    # Servers someone else runs for it (core.endpoints), routed beside its replicas. A
+    # model without profiles runs no replica (replicas 0): its endpoints serve it alone.
+    endpoints: tuple[StaticEndpoint, ...] = ()
     # Other names clients may send as `model` for this one (core.catalog.Catalog.resolve).
     aliases: tuple[str, ...] = ()
     # Names (or aliases) of models that serve its requests when it cannot
     # (Catalog.fallbacks_of), as written.
     fallbacks: tuple[str, ...] = ()
+    # Scale to zero (core.idle): None, never unloaded; else after that long without a
+    # request only min_replicas stay, and a request waits up to wake_timeout_s for the
+    # others to be placed again.
+    idle_unload_s: float | None = None
+    min_replicas: int = 0
+    wake_timeout_s: float = 300.0
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -294,18 +304,41 @@ def model_from_config(raw: config.Model, where: str = "model") -> Model:
                 slots=p.slots,
             )
         )
+    if raw.idle_unload_s is None and raw.min_replicas:
+        raise CatalogError(f"{where}.min_replicas is set but idle_unload_s is not; "
+                           "min_replicas is what an idle model keeps, so name how long "
+                           "without a request makes it idle (idle_unload_s: 600)")
+    if raw.min_replicas > raw.replicas:
+        raise CatalogError(f"{where}.min_replicas ({raw.min_replicas}) is over replicas "
+                           f"({raw.replicas}); an idle model keeps at most what it runs")
+    try:
+        endpoints = static_endpoints(raw.endpoints, where)
+    except EndpointError as err:
+        raise CatalogError(str(err)) from None
+    if not profiles and not endpoints:
+        raise CatalogError(f"{where}: the model has neither profiles (engines llmgw runs) "
+                           "nor endpoints (servers someone else runs, by URL); give one or "
+                           "both")
+    if not profiles and raw.replicas > 1:
+        raise CatalogError(f"{where}.replicas is {raw.replicas} but the model has no "
+                           "profiles: llmgw runs no replica of it, its endpoints serve it; "
+                           "drop replicas, or add a profile")
     aliases = _other_names(where, "aliases", raw.aliases, {raw.name}, "the model's own name")
     fallbacks = _other_names(where, "fallbacks", raw.fallbacks, {raw.name, *aliases},
                              "this model itself")
     return Model(
         name=raw.name,
         profiles=tuple(profiles),
-        replicas=raw.replicas,
+        replicas=raw.replicas if profiles else 0,
         description=raw.description,
         priority=raw.priority,
         selector=Selector(tuple(sorted(raw.nodes.labels.items())), raw.nodes.gpu_class),
+        endpoints=endpoints,
         aliases=tuple(aliases),
         fallbacks=tuple(fallbacks),
+        idle_unload_s=raw.idle_unload_s,
+        min_replicas=raw.min_replicas,
+        wake_timeout_s=raw.wake_timeout_s,
     )
 
 

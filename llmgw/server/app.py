@@ -38,6 +38,7 @@ from llmgw.server.auth import KeyCache, guards
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.dependencies import from_states
+from llmgw.server.endpoints import config_secrets
 from llmgw.server.errors import ApiError, error_response, store_refusal
 from llmgw.server.leadership import Leadership, server_name
 from llmgw.server.metrics import Access, Metrics, metrics_endpoint
@@ -211,6 +212,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
                                       f"{leadership.describe_leader()}")
     controller.servers = leadership.servers_up
     probe = EngineProbe(controller)
+    # Static endpoints' keys and CA files: a ConfigError naming the key path of one that
+    # cannot be read (server/endpoints.py).
+    controller.endpoints.use(config_secrets(config.models))
     router = Router(queue_max=config.gateway.queue_max,
                     queue_wait_s=config.gateway.queue_wait_s,
                     epsilon=config.gateway.affinity_epsilon)
@@ -238,6 +242,9 @@ def build(config: ServerConfig, store: Store, catalog: Catalog, admin_token: str
         await leadership.start()
         tasks = [asyncio.create_task(leadership.run(), name="leadership"),
                  asyncio.create_task(probe.run(), name="engine-probe"),
+                 asyncio.create_task(controller.endpoints.run(lambda: controller.catalog,
+                                                             controller.changed),
+                                     name="endpoint-checks"),
                  asyncio.create_task(controller.run(), name="controller"),
                  asyncio.create_task(_housekeeping(store), name="housekeeping"),
                  asyncio.create_task(usage.run(), name="usage"),

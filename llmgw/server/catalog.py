@@ -154,6 +154,16 @@ def fallbacks_refused(items: list[Entry], raw: config.Model) -> tuple[str, str] 
                  if model == raw.name), None)
 
 
+def fallen_back_on(items: list[Entry], name: str) -> list[str]:
+    """The other models whose fallbacks name model ``name`` (or one of its aliases)."""
+    target = next((e.model for e in items if e.model.name == name), None)
+    if target is None:
+        return []
+    names = {target.name, *target.aliases}
+    return [e.model.name for e in items
+            if e.model.name != name and names.intersection(e.model.fallbacks)]
+
+
 def catalog_of(items: list[Entry]) -> Catalog:
     return Catalog(tuple(e.model for e in items))
 

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 
 from llmgw.core import engine_names
+from llmgw.core.endpoints import model_of_endpoint
 from llmgw.core.inventory import NodeState
 from llmgw.core.placement import REFUSAL_KINDS
 from llmgw.core.replicas import ReplicaState
@@ -83,7 +84,8 @@ class ClusterCollector:
             _add(counts["queue"], label(model), waiting)
         model_of = {rid: r.model for rid, r in controller.replicas.items()}
         for replica, serving in router.in_flight().items():
-            _add(counts["in_flight"], label(model_of.get(replica)), serving)
+            _add(counts["in_flight"], label(model_of.get(replica) or model_of_endpoint(replica)),
+                 serving)
         by_state = {(model, state.value): 0 for model in names for state in ReplicaState}
         for replica in controller.replicas.values():
             model = label(replica.model)

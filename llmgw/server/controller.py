@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 import llmgw
 from llmgw import config, wire
-from llmgw.core import reconcile
+from llmgw.core import idle, reconcile
 from llmgw.core.catalog import Catalog
 from llmgw.core.desired_engines import (
     DEFAULT_CHOICE,
@@ -52,11 +52,13 @@ from llmgw.core.replicas import (
 )
 from llmgw.core.versions import behind_words
 from llmgw.server import replica_table
+from llmgw.server.activity import ModelActivity
 from llmgw.server.agents.sessions import Close, NodeSession, NodeSessions
 from llmgw.server.agents.shard_logs import ShardLogs
 from llmgw.server.agents.upgrades import AgentUpgrades
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller_stats import ControllerStats
+from llmgw.server.endpoints import StaticEndpoints
 from llmgw.server.engine_builds import BuildsRead, EngineBuilds
 from llmgw.server.mirror import mirror_engines
 from llmgw.store import NodeRecord, Store, StoreError, StoreUnavailable
@@ -78,13 +80,19 @@ class Controller:
                  clock: Callable[[], float] = time.time,
                  settings: config.ServerConfig | None = None,
                  follow_interval_s: float = 1.0):
-        self.catalog = catalog
         self.store = store
         self.sessions = sessions
         self.policy = policy
         self.interval_s = interval_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.clock = clock
+        # Scale to zero (core/idle.py): when each model that can sleep was last asked for,
+        # those asleep now (placed only to their min_replicas), and those a request woke
+        # (model -> until when, wall clock, its requests wait for a replica).
+        self.activity = ModelActivity(clock)
+        self.asleep: frozenset[str] = frozenset()
+        self.waking: dict[str, float] = {}
+        self._take_catalog(catalog)
         self.replicas: dict[str, Replica] = {}
         # Replicas being stopped: their GPUs and ports stay taken until the shards let go.
         self.releasing: dict[str, tuple[Replica, float]] = {}
@@ -124,6 +132,9 @@ class Controller:
         # and those of them whose last check failed (server/probe.py).
         self.unsure: frozenset[str] = frozenset()
         self.probe_failed: frozenset[str] = frozenset()
+        # Static endpoints (servers someone else runs, by URL), routed beside the
+        # replicas while they answer this server's own check (server/endpoints.py).
+        self.endpoints = StaticEndpoints()
         # Ready replicas whose node re-registered saying "starting": its agent restarted
         # and has not checked the engine yet. Kept routed, checked by the probe meanwhile.
         self._unconfirmed: set[str] = set()
@@ -142,6 +153,17 @@ class Controller:
         self._refusals_seen: dict[str, tuple[Refusal, ...]] = {}
 
     # --- the loop --------------------------------------------------------------------------
+
+    def _take_catalog(self, catalog: Catalog) -> None:
+        old = getattr(self, "catalog", Catalog())
+        self.catalog = catalog
+        # The models that can sleep: the only ones whose requests the gateway notes.
+        self.sleepy = frozenset(m.name for m in catalog.models if m.idle_unload_s is not None)
+        # A model new to the catalog is asleep until its first request (or the next pass,
+        # or the leader's table, says otherwise); the others stay as they were.
+        _, idle_now = idle.awake_catalog(catalog, self.activity.last, self.clock())
+        self.asleep = frozenset(m for m in idle_now
+                                if m in self.asleep or old.get(m) is None)
 
     def on_change(self, listener: Callable[[Controller], None]) -> None:
         self._listeners.append(listener)
@@ -222,11 +244,16 @@ class Controller:
         self.orphans = {r.id: r for r in table.orphans}
         self.unsure = frozenset(unsure)
         self.unplaced = dict(table.unplaced)
+        asleep = frozenset(table.asleep) & self.sleepy
+        for name in asleep - self.asleep:
+            self.waking.pop(name, None)  # the next request wakes it anew
+        self.asleep = asleep
         self.changed()
 
     async def follow(self) -> None:
         """A follower's pass: the leader's table and the catalog as the store has them."""
         self._apply_desired(*await self._read_desired())
+        await self._sync_activity()
         table = replica_table.decode(await self.store.get_setting(replica_table.SETTING))
         if table is not None and (encoded := replica_table.encode(table)) != self._published:
             self._published = encoded
@@ -239,9 +266,25 @@ class Controller:
         draining = set(await self.store.get_setting(DRAINING_SETTING, []))
         return catalog, draining, await self.engine_builds.read()
 
+    async def _sync_activity(self) -> None:
+        """Merge when models that can sleep were asked for, here and in the store (where a
+        follower's request wakes a model for the leader); nothing when none can."""
+        if self.sleepy:
+            self.activity.busy(self._busy())
+            await self.activity.sync(self.store, self.sleepy)
+
+    def _busy(self) -> set[str]:
+        """The models that can sleep with requests in flight on this server."""
+        found = set()
+        for rid, count in self.load().items():
+            replica = self.replicas.get(rid) or self.orphans.get(rid)
+            if count and replica is not None and replica.model in self.sleepy:
+                found.add(replica.model)
+        return found
+
     def _apply_desired(self, catalog: Catalog, draining: set[str], builds: BuildsRead) -> None:
         if catalog != self.catalog:
-            self.catalog = catalog
+            self._take_catalog(catalog)
             log.info("catalog (as stored): %s", ", ".join(
                 f"{m.name} x{m.replicas}" for m in catalog.models) or "no models")
         for node_id in draining ^ self.sessions.draining:
@@ -255,7 +298,7 @@ class Controller:
         return replica_table.encode(replica_table.ReplicaTable(
             term=self.term or 0, replicas=list(self.replicas.values()),
             orphans=list(self.orphans.values()), unsure=sorted(self.unsure),
-            unplaced=self.unplaced))
+            unplaced=self.unplaced, asleep=sorted(self.asleep)))
 
     async def _publish(self, table: dict) -> None:
         """Write the replica table, as a pass left it, for followers and for this server's
@@ -304,6 +347,7 @@ class Controller:
                 self._taking_over = False
             if desired is not None:
                 self._apply_desired(*desired)
+                await self._sync_activity()
             now = self.clock()
             for node_id in sorted(self._unrecorded):  # seen during an outage
                 try:
@@ -334,7 +378,10 @@ class Controller:
                 self.unplaced = {m.name: settling for m in self.catalog.models}
                 plan = reconcile.Plan(unplaced=self.unplaced)
             else:
-                plan = reconcile.plan(self.catalog, self.sessions.nodes(),
+                self.activity.busy(self._busy())
+                awake, asleep = idle.awake_catalog(self.catalog, self.activity.last, now)
+                self._note_sleep(asleep)
+                plan = reconcile.plan(awake, self.sessions.nodes(),
                                       self.replicas.values(), self.backoffs, now, self.policy,
                                       load=self.load(),
                                       held=[r for r, _ in self.releasing.values()])
@@ -353,6 +400,19 @@ class Controller:
         await self._publish(table)
         self.stats.pass_done(time.perf_counter() - began)
         return plan
+
+    def _note_sleep(self, asleep: frozenset[str]) -> None:
+        for name in sorted(asleep - self.asleep):
+            self.waking.pop(name, None)  # the next request wakes it anew
+            model = self.catalog.get(name)
+            if model is not None:
+                log.info("model %s: no request for %g s; keeping %d of its %d replica(s) "
+                         "until the next one", name, model.idle_unload_s,
+                         min(model.min_replicas, model.replicas), model.replicas)
+        for name in sorted(self.asleep - asleep):
+            if name in self.waking:
+                log.info("model %s: woken by a request", name)
+        self.asleep = asleep
 
     def refusals_of(self, model: str) -> tuple[Refusal, ...]:
         """Placement's reason per node turned down, while ``model`` is unplaced for want of
@@ -758,7 +818,7 @@ class Controller:
         """Models were added, removed or scaled over the admin API: plan with them now.
         Swapped under the pass lock, so no pass sees half of the change."""
         async with self._lock:
-            self.catalog = catalog
+            self._take_catalog(catalog)
         log.info("catalog: %s", ", ".join(f"{m.name} x{m.replicas}" for m in catalog.models)
                  or "no models")
         await self.pass_once()
@@ -814,12 +874,37 @@ class Controller:
         for listener in self._listeners:
             listener(self)
 
+    def requested(self, model: str) -> None:
+        """A request came for ``model``, which can sleep: noted, and, when it sleeps, it
+        is woken (the leader plans at once; a follower tells the store at once)."""
+        self.activity.asked(model)
+        if model in self.asleep and model not in self.waking:
+            found = self.catalog.get(model)
+            if found is not None:
+                self.waking[model] = self.clock() + found.wake_timeout_s
+                self.wake()
+
+    def wake_left(self, model: str) -> float:
+        """How long a request may still wait for ``model``'s replica to be placed and
+        start after a request woke it (its ``wake_timeout_s``); 0 when it is not waking."""
+        due = self.waking.get(model)
+        if due is None:
+            return 0.0
+        left = due - self.clock()
+        if left <= 0 or (model not in self.asleep and model in self.ready_models()):
+            del self.waking[model]
+            return 0.0
+        return left
+
     def expecting(self, model: str) -> bool:
         """Whether a ready replica of ``model`` may come soon, so that a request is better
         kept waiting than refused: this leader still hears from its nodes after it
-        started or took the lead, or a replica of the model stopped answering this
-        server's check (its node may come back, or its replacement be ready)."""
+        started or took the lead, a request woke the model from its sleep, or a replica
+        of the model stopped answering this server's check (its node may come back, or
+        its replacement be ready)."""
         if self._expected and self.clock() < self._settle_until:
+            return True
+        if self.waking and self.wake_left(model) > 0:
             return True
         return any(r.model == model and r.id in self.probe_failed
                    for r in (*self.replicas.values(), *self.orphans.values()))
@@ -855,10 +940,31 @@ class Controller:
                 if slots is not None:
                     slots = -(-slots // self.servers())  # this server's share, rounded up
                 routes.setdefault(replica.model, []).append((replica.id, *endpoint, slots))
+        for model_name, static in self.endpoints.routes(self.catalog, self.servers()).items():
+            routes.setdefault(model_name, []).extend(static)  # type: ignore[arg-type]
         return routes
 
+    def ready_models(self) -> set[str]:
+        return {r.model for r in (*self.replicas.values(), *self.orphans.values())
+                if r.state is ReplicaState.READY and r.id not in self.probe_failed}
+
     def why_not_ready(self, model: str) -> str:
-        """In words an operator can act on: why ``model`` has no ready replica right now."""
+        """In words an operator can act on: why ``model`` has no ready replica right now,
+        nor a static endpoint that answers."""
+        declared = self.catalog.get(model)
+        if declared is None or not declared.endpoints:
+            return self._why_no_replica(model)
+        static = self.endpoints.why_not(declared)
+        if not declared.profiles:
+            return static
+        return f"{static}; and {self._why_no_replica(model)}"
+
+    def _why_no_replica(self, model: str) -> str:
+        if model in self.asleep:
+            found = self.catalog.get(model)
+            idle_s = found.idle_unload_s if found is not None else 0
+            return (f"it is asleep (no request for {idle_s:g} s) and a request's wake did "
+                    "not reach the cluster's leader in time; see the leader's log")
         if model in self.unplaced:
             return self.unplaced[model]
         mine = [r for r in self.replicas.values() if r.model == model]

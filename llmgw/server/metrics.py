@@ -13,7 +13,8 @@ build several servers in one process. Three kinds of series:
   actions, placement's refusals, agent streams, failed replicas).
 - **read at scrape time** from the router, the controller, the store and the server's
   certificates (queue lengths, requests in flight, replicas by state, nodes by state,
-  engine installs, whether the store answers, when a certificate expires): nothing is
+  engine installs, whether each static endpoint answers this server's check
+  (``llmgw_endpoint_up``), whether the store answers, when a certificate expires): nothing is
   updated per request, and the scrape runs on the event loop, where those structures
   live, so it needs no lock.
 
@@ -53,6 +54,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import (
     CounterMetricFamily,
+    GaugeMetricFamily,
     HistogramMetricFamily,
 )
 
@@ -198,6 +200,35 @@ class StreamSeries:
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
 
 
+class EndpointCollector:
+    """``llmgw_endpoint_up``: per static endpoint (labelled with its model and the name it
+    goes by, both from the catalog), 1 while it is routed to (it answers this server's
+    check, or was not checked yet), 0 while it is not."""
+
+    def __init__(self, controller: Controller, registry: CollectorRegistry) -> None:
+        self._controller = controller
+        registry.register(self)
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "llmgw_endpoint_up", "1 while a static endpoint is routed to (it answers this "
+            "server's health check), 0 while it is not.", labels=["model", "endpoint"])
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        controller = self._controller
+        for model in controller.catalog.models:
+            if not model.endpoints:
+                continue
+            for state in controller.endpoints.states(model):
+                family.add_metric([model.name, state.name], 0 if state.health == "down" else 1)
+        yield family
+
+
 class Metrics:
     """The per-app registry, what the gateway records, and the scrape-time collectors.
 
@@ -232,6 +263,7 @@ class Metrics:
         self._first_byte_series: dict[str, Histogram] = {}
         self._retry_series: dict[str, Count] = {}
         self._refusal_series: dict[tuple[str, str], Count] = {}
+        self._fallback_series: dict[tuple[str, str], Count] = {}
         self._stream_series: dict[str, StreamSeries] = {}
         # The same series keyed by what callers pass, but only ever for catalog names (and
         # the fixed kinds): an unknown model goes to the `unknown` series without a cache
@@ -253,6 +285,7 @@ class Metrics:
         self._owners_asked: set[int] = set()  # the owners counted at that read
         self.registry.register(self)
         ClusterCollector(self, registry=self.registry)
+        EndpointCollector(controller, registry=self.registry)
         if stats is not None:
             ControllerCollector(stats, self.model_label, registry=self.registry)
         if store is not None:
@@ -342,6 +375,15 @@ class Metrics:
                                 (self.model_label(model), why), Count)
         child.n += 1
 
+    def fell_back(self, model: str, fallback: str) -> None:
+        """A request ``model`` could not take goes on to its fallback ``fallback`` (both
+        catalog names: admission resolved them)."""
+        labels = (self.model_label(model), self.model_label(fallback))
+        child = self._fallback_series.get(labels)
+        if child is None:
+            child = self._fallback_series[labels] = Count()
+        child.n += 1
+
     @staticmethod
     def _child(family: dict, cache: dict, key: Any, labels: Any, make: Any) -> Any:
         """The series of ``labels`` in ``family`` (made if new), remembered in ``cache``
@@ -383,7 +425,7 @@ class Metrics:
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         """The per-request series, for the registry (which calls this when scraped)."""
         families = self._families()
-        (requests, duration, first_byte, retries, refusals, tokens, first_token,
+        (requests, duration, first_byte, retries, refusals, fallbacks, tokens, first_token,
          inter_token, by_owner) = families
         for (model, kind), series in self._request_series.items():
             for status, count in zip(STATUS_CLASSES, series.by_status, strict=True):
@@ -396,6 +438,8 @@ class Metrics:
             retries.add_metric([model], count.n)
         for (model, reason), count in self._refusal_series.items():
             refusals.add_metric([model, reason], count.n)
+        for (model, fallback), count in self._fallback_series.items():
+            fallbacks.add_metric([model, fallback], count.n)
         by_model: dict[str, list[int]] = {}
         for (model, _), series in self._request_series.items():
             summed = by_model.setdefault(model, [0, 0])
@@ -436,6 +480,10 @@ class Metrics:
                                 labels=["model"]),
             CounterMetricFamily("llmgw_refusals", "Requests refused with 429, by reason.",
                                 labels=["model", "reason"]),
+            CounterMetricFamily("llmgw_fallbacks", "Requests a model could not take (no "
+                                "ready replica, its queue refused) sent on to a fallback, "
+                                "before anything was sent to an engine.",
+                                labels=["model", "fallback"]),
             CounterMetricFamily("llmgw_tokens", "Tokens of answers, as their engines "
                                 "reported them: input (prompt) and output (completion).",
                                 labels=["model", "direction"]),

@@ -23,6 +23,7 @@ from llmgw.core.catalog import CatalogError, catalog_from_config
 from llmgw.core.config_change import ConfigChange, compare, effective
 from llmgw.server.app import Server
 from llmgw.server.catalog import sync_declared
+from llmgw.server.endpoints import config_secrets
 from llmgw.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,13 @@ async def reload(server: Server, path: Path) -> ReloadResult:
         running: ServerConfig = state.config
         try:
             merged, change = _checked(path, running)
+            secrets = config_secrets(merged.models, str(path))
         except ConfigError as err:
             log.error("server.yaml not reloaded, nothing changed: %s", err)
             return ReloadResult(error=str(err))
+        # Static endpoints' key and CA files, read again (a key rotated in its file).
+        server.controller.endpoints.use(secrets)
+        server.controller.changed()
         if change.empty:
             log.info("server.yaml reloaded: nothing changed")
             return ReloadResult(change)

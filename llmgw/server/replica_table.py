@@ -27,6 +27,8 @@ class ReplicaTable(msgspec.Struct, kw_only=True):
     # unreachable, lost, or has not reported since this leader took over.
     unsure: list[str] = []
     unplaced: dict[str, str] = {}
+    # Models asleep (core/idle.py): placed only to their min_replicas until a request.
+    asleep: list[str] = []
 
 
 def encode(table: ReplicaTable) -> dict[str, Any]:

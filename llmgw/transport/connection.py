@@ -57,7 +57,7 @@ class Connection(asyncio.Protocol):
                  "kernel_clock", "loop", "on_body", "paused", "pool", "relay", "sink",
                  "transport")
 
-    def __init__(self, pool: Pool, address: tuple[str, int]):
+    def __init__(self, pool: Pool, address: tuple):
         self.pool = pool
         # The alarm: one timer kept across the connection's requests (see ``alarm``).
         self._alarm: Callable[[], None] | None = None

@@ -5,8 +5,10 @@ aiohttp's client, measured on the gateway's hot path, cost more CPU per proxied 
 than everything else llmgw does for it (request objects, header multidicts, timeouts as
 context managers, a task per read). This client keeps one ``asyncio.Protocol`` per
 keep-alive connection with httptools (llhttp) parsing the answer, and writes each request
-as one buffer. It does no redirects, cookies, proxies, TLS, decompression or pipelining:
-engines are plain HTTP on the cluster's network.
+as one buffer. It does no redirects, cookies, proxies, decompression or pipelining:
+engines are plain HTTP on the cluster's network. A server someone else runs (a static
+endpoint) is a ``target.Target``: its path prefix, Host, Authorization header and TLS,
+made once; a request to an engine pays nothing for them.
 
 Timeouts are timer handles on the exchange, not ``asyncio.timeout`` scopes: the idle timer
 is re-armed lazily (at most once per idle period), so a stream of thousands of chunks costs
@@ -19,11 +21,15 @@ import asyncio
 import collections
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 from llmgw.core.names import url_host
 from llmgw.transport.answer import Answer
 from llmgw.transport.connection import Connection
 from llmgw.transport.errors import ConnectError, Undelivered, UpstreamError
+
+if TYPE_CHECKING:
+    from llmgw.transport.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +56,30 @@ def request_bytes(host: str, port: int, path: str, body: bytes, accept: bytes,
 
 
 class Pool:
-    """Keep-alive connections per engine address, for every upstream request of a server
-    process."""
+    """Keep-alive connections per engine address (and per ``Target``), for every upstream
+    request of a server process."""
 
     def __init__(self, connect_timeout_s: float):
         self.connect_timeout_s = connect_timeout_s
-        self._idle: dict[tuple[str, int], collections.deque[Connection]] = {}
+        # By (host, port) of an engine, or a Target's ``address``.
+        self._idle: dict[tuple, collections.deque[Connection]] = {}
         self._closed = False
 
     async def post(self, host: str, port: int, path: str, body: bytes, accept: bytes,
                    *, first_byte_timeout_s: float, idle_timeout_s: float | None,
-                   content_type: bytes = JSON_TYPE) -> Answer:
+                   content_type: bytes = JSON_TYPE, target: Target | None = None) -> Answer:
         """Send the request and wait for the answer's status and headers (under
         ``first_byte_timeout_s``); the body is read from the returned Answer, its first
         byte still under ``first_byte_timeout_s``, each wait for more after that under
         ``idle_timeout_s`` when given. The request is sent a second time only when it went
         on a kept-alive connection that the engine had closed before the request reached
         it (``Undelivered``), and then on a new connection; an error of that one is
-        raised as it is."""
-        payload = request_bytes(host, port, path, body, accept, content_type)
+        raised as it is. With a ``target``, the request goes to it as it says (its
+        ``host`` and ``port`` are then the ones given)."""
+        payload = request_bytes(host, port, path, body, accept, content_type) \
+            if target is None else target.request(path, body, accept, content_type)
         for attempt in range(2):
-            conn, reused = await self._connection(host, port, fresh=attempt > 0)
+            conn, reused = await self._connection(host, port, attempt > 0, target)
             answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
             conn.start(answer, payload)
             try:
@@ -97,7 +106,7 @@ class Pool:
         the engine, without waiting: its Answer, whose head comes later (``Answer.watch``
         says when), under the same limits as ``post``. None when no idle connection is
         there (``post`` makes one)."""
-        conn = self._idle_connection(host, port)
+        conn = self._idle_connection((host, port))
         if conn is None:
             return None
         answer = Answer(conn, first_byte_timeout_s, idle_timeout_s)
@@ -105,27 +114,33 @@ class Pool:
         answer._arm_head()
         return answer
 
-    def _idle_connection(self, host: str, port: int) -> Connection | None:
-        idle = self._idle.get((host, port))
+    def _idle_connection(self, address: tuple) -> Connection | None:
+        idle = self._idle.get(address)
         while idle:
             conn = idle.pop()
             if conn.usable():
                 return conn
         return None
 
-    async def _connection(self, host: str, port: int, fresh: bool = False
-                          ) -> tuple[Connection, bool]:
-        """A connection to the engine, and whether it was kept alive from an earlier
-        request: an idle one from the pool unless ``fresh``, else a new one."""
+    async def _connection(self, host: str, port: int, fresh: bool = False,
+                          target: Target | None = None) -> tuple[Connection, bool]:
+        """A connection to the engine (or ``target``), and whether it was kept alive from
+        an earlier request: an idle one from the pool unless ``fresh``, else a new one."""
+        address = (host, port) if target is None else target.address
         if not fresh:
-            conn = self._idle_connection(host, port)
+            conn = self._idle_connection(address)
             if conn is not None:
                 return conn, True
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(
-                    lambda: Connection(self, (host, port)), host, port)
+                if target is None:
+                    _, conn = await loop.create_connection(
+                        lambda: Connection(self, address), host, port)
+                else:  # its TLS handshake within the same limit
+                    _, conn = await loop.create_connection(
+                        lambda: Connection(self, address), host, port, ssl=target.tls,
+                        server_hostname=target.server_hostname)
         except TimeoutError:
             raise ConnectError(f"no connection to {host}:{port} within "
                                f"{self.connect_timeout_s:g} s", timed_out=True) from None

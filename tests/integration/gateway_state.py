@@ -34,8 +34,9 @@ def gateway_state(model: str, router: Router, pool,
     controller = SimpleNamespace(catalog=catalog_from_config(models), replicas={},
                                  sessions=NodeSessions(Timeouts()),
                                  why_not_ready=lambda model: "no replica is ready",
-                                 expecting=lambda model: False)
-    return SimpleNamespace(router=router, upstream=pool, controller=controller,
+                                 expecting=lambda model: False, sleepy=frozenset(),
+                                 wake_left=lambda model: 0.0)
+    return SimpleNamespace(router=router, upstream=pool, controller=controller, awaiting={},
                            config=SimpleNamespace(gateway=gateway or Gateway(),
                                                   auth=SimpleNamespace(require_api_key=False)),
                            metrics=Metrics(controller, router, process=False))

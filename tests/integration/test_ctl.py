@@ -178,7 +178,7 @@ def test_a_model_file_is_checked_with_server_yaml_rules(cluster, tmp_path):
 def test_a_server_yaml_model_is_not_removed_but_can_be_scaled(cluster):
     refused = ctl(cluster, "models", "remove", "sim-small")
     assert refused.code == 1
-    assert "declared in server.yaml: remove it there and restart the server" in refused.err
+    assert "declared in server.yaml: remove it there and reload the server" in refused.err
     assert "sim-small" in models(cluster)
     no_count = ctl(cluster, "models", "scale", "sim-small")
     assert no_count.code == 2 and "--reset" in no_count.err

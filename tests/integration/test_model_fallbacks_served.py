@@ -7,9 +7,11 @@ refusing fallbacks that cannot be followed."""
 from __future__ import annotations
 
 import aiohttp
+import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.config import Model
 from llmgw.core.catalog import catalog_from_config
@@ -73,6 +75,13 @@ def test_a_model_with_no_replica_is_answered_by_its_fallback_and_counted_as_it(c
     assert used["model"] == "backup" and used["requests"] == 4
     assert used["completion_tokens"] == 3 * 3 + 1
 
+    # Each step to a fallback is counted, under catalog names only.
+    scraped = httpx.get(f"{cluster.base_url}/metrics", timeout=10).text
+    steps = {tuple(sorted(s.labels.items())): s.value
+             for f in text_string_to_metric_families(scraped) for s in f.samples
+             if s.name == "llmgw_fallbacks_total"}
+    assert steps == {(("fallback", "backup"), ("model", "primary")): 3.0}
+
 
 def test_the_models_api_shows_each_model_s_fallbacks(cluster):
     listed = {m["name"]: m for m in cluster.admin("GET", "/api/models").json()}
@@ -91,6 +100,23 @@ def test_a_key_not_allowed_the_fallback_gets_the_model_s_own_refusal(cluster):
         assert body["code"] == "no_ready_replica", body
         assert body["message"].startswith("no replica of 'primary' can take the request")
         assert "backup" not in body["message"]
+
+
+def test_a_model_another_falls_back_on_is_not_removed_from_under_it(cluster):
+    for model in ({"name": "spare", "aliases": ["spare-alias"], "replicas": 0},
+                  {"name": "leaning", "fallbacks": ["spare-alias"], "replicas": 0}):
+        added = cluster.admin("POST", "/api/models",
+                              json={**model, "profiles": [{"engine": "sim"}]})
+        assert added.status_code == 201, added.text
+    refused = cluster.admin("DELETE", "/api/models/spare")
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "model_in_use"
+    assert error["message"].startswith("model 'spare' is a fallback of leaning: remove it "
+                                       "from their fallbacks first"), error["message"]
+    assert "spare" in [m["name"] for m in cluster.admin("GET", "/api/models").json()]
+    assert cluster.admin("DELETE", "/api/models/leaning").status_code == 200
+    assert cluster.admin("DELETE", "/api/models/spare").status_code == 200
 
 
 def test_an_added_model_whose_fallbacks_cannot_be_followed_is_refused_naming_them(cluster):

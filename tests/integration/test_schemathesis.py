@@ -67,7 +67,8 @@ DOCUMENT = spec.document(server_app())
 
 
 def _fuzzed(document: dict) -> dict:
-    """The document as fuzzed. A valid /v1 request names the model this cluster serves:
+    """The document as fuzzed. A model's endpoints are on loopback. A valid /v1 request
+    names the model this cluster serves:
     any other is a 404, and would never reach an engine. And the counts the sim engine
     reads (``max_tokens``, ``dimensions``) are left out: it takes ``16`` but refuses the
     ``16.0`` JSON Schema calls an integer too, and generates as many tokens as asked, up
@@ -80,6 +81,9 @@ def _fuzzed(document: dict) -> dict:
         fields["model"] = {"enum": [MODEL]}
         for count in ("max_tokens", "max_completion_tokens", "dimensions"):
             fields.pop(count, None)
+    # A model's static endpoints are checked by the server: never anything but loopback
+    # (port 9, where nothing listens), whatever URL a case would make up.
+    schemas["Endpoint"]["properties"]["url"] = {"enum": ["http://127.0.0.1:9/v1"]}
     return fuzzed
 
 

@@ -101,7 +101,7 @@ def test_the_list_shows_each_model_with_ready_and_wanted_replicas(ops):
     row = _row(page.text, "sim-small")
     assert "sim-small server.yaml 1 / 1 node-a" in row
     # server.yaml's models cannot be removed from the page, and it says why.
-    assert "declared in server.yaml: remove it there and restart the server" in row
+    assert "declared in server.yaml: remove it there and reload the server" in row
     assert "Scale" in row and "Add a model" in page.text
 
 
@@ -191,7 +191,7 @@ def test_a_model_added_on_the_page_shows_why_it_is_not_placed_and_is_removed(clu
                                                   "confirm": "yes"})
     assert kept.status_code == 409
     assert _alerts(kept.text)[0].startswith(
-        "model 'sim-small' is declared in server.yaml: remove it there and restart the server")
+        "model 'sim-small' is declared in server.yaml: remove it there and reload the server")
 
 
 def test_a_form_without_its_csrf_token_is_refused(cluster, ops):

@@ -148,7 +148,8 @@ def test_wrong_type_names_the_path_and_both_types() -> None:
     [
         (with_profile("gpus: -1"), ServerConfig, "models[0].profiles[0].gpus: expected int >= 0"),
         (with_profile("nodes: 0"), ServerConfig, "models[0].profiles[0].nodes: expected int >= 1"),
-        ("models: [{name: m, profiles: []}]", ServerConfig, "models[0].profiles: expected array"),
+        ("models: [{name: m, endpoints: [{url: 1}]}]", ServerConfig,
+         "models[0].endpoints[0].url: expected str, got int"),
         ("models: [{profiles: [{engine: sim}]}]", ServerConfig,
          "models[0]: object missing required field name"),
         ("listen: {port: 70000}", ServerConfig, "listen.port: expected int <= 65535"),

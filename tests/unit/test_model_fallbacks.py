@@ -148,17 +148,20 @@ def _ask(body: bytes = BODY, key: ApiKeyRecord | None = None) -> Ask:
                JSON_TYPE, key)
 
 
-def _state(ready: dict[str, list[str]], queue_wait_s: float = 0.0):
+def _state(ready: dict[str, list[str]], queue_wait_s: float = 0.0, queue_max: int = 1024):
     """The gateway's state over CATALOG, with ``ready`` replicas (one slot each)."""
     router = Router(rng=random.Random(3), queue_wait_s=queue_wait_s)
     router.update({model: [(r, "127.0.0.1", 1000 + i, 1) for i, r in enumerate(names)]
                    for model, names in ready.items()})
     controller = SimpleNamespace(catalog=catalog_of(CATALOG),
                                  why_not_ready=lambda model: "no replica is placed yet",
-                                 expecting=lambda model: False)
-    return SimpleNamespace(router=router, controller=controller,
-                           config=SimpleNamespace(gateway=Gateway(queue_wait_s=queue_wait_s)),
-                           metrics=SimpleNamespace(refused=lambda model, code: None))
+                                 expecting=lambda model: False, sleepy=frozenset(),
+                                 wake_left=lambda model: 0.0)
+    return SimpleNamespace(router=router, controller=controller, awaiting={},
+                           config=SimpleNamespace(gateway=Gateway(queue_wait_s=queue_wait_s,
+                                                                  queue_max=queue_max)),
+                           metrics=SimpleNamespace(refused=lambda model, code: None,
+                                                   fell_back=lambda model, fallback: None))
 
 
 def test_a_model_with_no_ready_replica_is_served_by_its_fallback_at_once() -> None:
@@ -262,4 +265,29 @@ def test_a_full_queue_sends_the_request_to_the_fallback_and_the_last_refusal_nam
             err.message and "every replica of 'd' is busy" in err.message
         for h in held:
             h.release()
+    asyncio.run(run())
+
+
+def test_requests_waiting_for_a_replica_on_its_way_are_as_many_as_the_queue_holds() -> None:
+    """A flood for a model whose replica is starting (a wake, a restart) waits in a
+    bounded number; the rest are refused at once, or go to a fallback."""
+    state = _state({}, queue_wait_s=5, queue_max=2)
+    state.controller.expecting = lambda model: model == "c"
+    body = BODY.replace(b'"a"', b'"c"')  # c names no fallbacks
+
+    async def run() -> None:
+        waiting = [asyncio.create_task(admit(state, _ask(body))) for _ in range(2)]
+        await asyncio.sleep(0)  # both reach the wait
+        assert state.awaiting == {"c": 2}
+        with pytest.raises(ApiError) as refused:
+            await admit(state, _ask(body))
+        assert (refused.value.status, refused.value.code) == (429, "queue_full")
+        assert refused.value.message.startswith(
+            "2 request(s) already wait for a replica of 'c' to start"), refused.value.message
+        state.router.update({"c": [("c0", "127.0.0.1", 1000, 2)]})
+        leases = await asyncio.gather(*waiting)
+        assert [lease.replica for lease in leases] == ["c0", "c0"]
+        assert state.awaiting == {}
+        for lease in leases:
+            lease.release()
     asyncio.run(run())

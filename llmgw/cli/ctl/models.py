@@ -11,7 +11,7 @@ import yaml
 
 from llmgw.cli.ctl.client import EXIT_REFUSED, EXIT_USAGE, CtlError, call
 from llmgw.cli.ctl.commands import Commands
-from llmgw.cli.ctl.output import done, show
+from llmgw.cli.ctl.output import done, show, why_not_all
 from llmgw.config import _StrictLoader
 
 _MODEL_FLAGS = ("engine", "replicas", "gpus", "nodes", "source", "weights", "arg", "priority",
@@ -24,10 +24,22 @@ def models_list(args: argparse.Namespace) -> None:
              "ready": m["replicas_ready"], "aliases": ", ".join(m.get("aliases", [])),
              "fallbacks": ", ".join(m.get("fallbacks", [])),
              "engines": ", ".join(f"{p['name']}: {p['engine']}" for p in m.get("profiles", [])),
+             "endpoints": _endpoints_words(m),
              "on": ", ".join(m.get("placed_on", [])),
-             "why not all": m.get("unplaced")} for m in models]
+             "why not all": why_not_all(m)} for m in models]
     show(args, models, ["model", "aliases", "fallbacks", "source", "replicas", "ready",
-                        "engines", "on", "why not all"], "models", rows=rows)
+                        "engines", "endpoints", "on", "why not all"], "models", rows=rows)
+
+
+def _endpoints_words(model: dict) -> str:
+    """Each static endpoint and its health (``http://10.0.0.5:8000/v1 down: connection
+    refused``); for a user, how many of them are up."""
+    endpoints = model.get("endpoints")
+    if endpoints is None:
+        declared = model.get("endpoints_declared", 0)
+        return f"{model.get('endpoints_ready', 0)}/{declared} up" if declared else ""
+    return ", ".join(f"{e['url']} {e['health']}" + (f": {e['reason']}" if e.get("reason")
+                                                   else "") for e in endpoints)
 
 
 def _replicas_words(model: dict) -> str:

@@ -66,3 +66,14 @@ def done(args: argparse.Namespace, reply, text: str) -> None:
         print_json(reply)
     else:
         print(text)
+
+
+def why_not_all(model: dict) -> str | None:
+    """Why a model (as /api/status or /api/models gives it) runs fewer replicas than it
+    wants: placement's reason, or that it sleeps until its next request."""
+    if model.get("unplaced"):
+        return model["unplaced"]
+    if model.get("asleep"):
+        return (f"asleep (no request for {model['idle_unload_s']:g} s); the next one "
+                "wakes it")
+    return None

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from llmgw.cli.ctl.client import call
 from llmgw.cli.ctl.commands import Commands
-from llmgw.cli.ctl.output import print_json, table
+from llmgw.cli.ctl.output import print_json, table, why_not_all
 
 
 def status(args: argparse.Namespace) -> None:
@@ -49,7 +49,7 @@ def _model_row(model: dict, replicas: list[dict]) -> dict:
     return {"model": model["name"], "ready": model["replicas_ready"],
             "wanted": model["replicas_wanted"], "priority": model["priority"],
             "on": ", ".join(nodes) or "-", "weights in": _weights_words(model.get("weights", [])),
-            "why not all": model["unplaced"]}
+            "why not all": why_not_all(model)}
 
 
 def _replica_row(replica: dict) -> dict:

@@ -1,5 +1,11 @@
 """Models over the admin API: list, add, remove, scale.
 
+A model's static endpoints (servers someone else runs, by URL) show with their health as
+this server last checked it (``server.endpoints``). One added over the API may name no
+``api_key_file``: a key file named over the API would let whoever holds the admin token
+have the server send any one-line file it can read (another secret) to a URL of their
+choosing. Endpoints with keys are declared in server.yaml, which a reload (SIGHUP) applies.
+
 The catalog they change is merged in ``server.catalog`` (server.yaml's models and the
 API's); these functions read it, write the store, and hand the controller the result. The
 handlers and the cluster page's models page call the same functions.
@@ -19,7 +25,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.typing import FieldDefinition
 
-from llmgw.config import Model, ServerConfig
+from llmgw.config import ConfigError, Model, ServerConfig
 from llmgw.server.admin.common import (
     ADMIN,
     SERVICES,
@@ -39,11 +45,13 @@ from llmgw.server.catalog import (
     declared,
     entries,
     fallbacks_refused,
+    fallen_back_on,
     parse_model,
     stored_spec,
 )
 from llmgw.server.controller import Controller
 from llmgw.server.dependencies import from_state
+from llmgw.server.endpoints import read_secrets
 from llmgw.server.errors import ApiError, refusals
 from llmgw.store import Store
 
@@ -89,8 +97,26 @@ class ProfileView(msgspec.Struct):
     gpus: int
 
 
+class EndpointView(msgspec.Struct):
+    """A static endpoint of a model, with its health as this server last checked it."""
+
+    # What it goes by where a replica's name shows (refusals, in-flight counts).
+    name: str
+    url: str
+    # "up", "down", or "unchecked" (routed to until a check fails).
+    health: str
+    # Why it is down: its check's failure, or a file it cannot read.
+    reason: str | None = None
+    # Since when (Unix time) it has been up or down.
+    since: float | None = None
+    # The upstream's name for the model; null: the model's own.
+    model: str | None = None
+    slots: int | None = None
+
+
 class ModelView(msgspec.Struct):
-    """A model as the catalog serves it; the fields after ``fallbacks`` only for an admin."""
+    """A model as the catalog serves it; the fields after ``endpoints_declared`` only for
+    an admin."""
 
     name: str
     source: str
@@ -102,6 +128,15 @@ class ModelView(msgspec.Struct):
     # Names (or aliases) of the models that serve its requests when it cannot, in order, as
     # written: for everyone, as the x-llmgw-model header of an answer names the one that did.
     fallbacks: list[str] = []
+    # Its static endpoints (servers someone else runs) routed to now (up, or not checked
+    # yet), of how many declared.
+    endpoints_ready: int = 0
+    endpoints_declared: int = 0
+    # Scale to zero: unloaded to min_replicas after idle_unload_s without a request (null:
+    # never), and whether it is so now (its next request wakes it: one slow answer).
+    idle_unload_s: float | None = None
+    min_replicas: int = 0
+    asleep: bool = False
     # server.yaml's value for its models (an override differs from it); null for the API's.
     replicas_in_config: int | msgspec.UnsetType | None = msgspec.UNSET
     overridden: bool | msgspec.UnsetType = msgspec.UNSET
@@ -110,6 +145,8 @@ class ModelView(msgspec.Struct):
     placed_on: list[str] | msgspec.UnsetType = msgspec.UNSET
     # Why no replica could be placed, while none can.
     unplaced: str | msgspec.UnsetType | None = msgspec.UNSET
+    # Each static endpoint, with its health.
+    endpoints: list[EndpointView] | msgspec.UnsetType = msgspec.UNSET
     # The model as declared (a server.yaml ``models:`` entry).
     spec: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
@@ -122,9 +159,15 @@ def model_view(entry: Entry, controller: Controller, admin: bool) -> ModelView:
     name = entry.model.name
     ready = sum(1 for r in controller.replicas.values()
                 if r.model == name and r.state.value == "ready")
+    endpoints = controller.endpoints.states(entry.model) if entry.model.endpoints else []
     shown = ModelView(name=name, source=entry.source, description=entry.model.description,
                       replicas=entry.model.replicas, replicas_ready=ready,
-                      aliases=list(entry.model.aliases), fallbacks=list(entry.model.fallbacks))
+                      aliases=list(entry.model.aliases), fallbacks=list(entry.model.fallbacks),
+                      endpoints_ready=sum(1 for e in endpoints if e.health != "down"),
+                      endpoints_declared=len(endpoints),
+                      idle_unload_s=entry.model.idle_unload_s,
+                      min_replicas=entry.model.min_replicas,
+                      asleep=name in controller.asleep)
     if not admin:
         return shown
     return msgspec.structs.replace(
@@ -137,6 +180,8 @@ def model_view(entry: Entry, controller: Controller, admin: bool) -> ModelView:
         placed_on=sorted({s.node_id for r in controller.replicas.values()
                           if r.model == name for s in r.shards}),
         unplaced=controller.unplaced.get(name),
+        endpoints=[EndpointView(e.name, e.url, e.health, e.reason, e.since, e.model, e.slots)
+                   for e in endpoints],
         spec=entry.spec,
     )
 
@@ -181,6 +226,18 @@ def checked_model(written: Any) -> NewModel:
         model, _ = parse_model(written)
     except ModelError as err:
         raise ApiError(400, str(err), param=err.param, code="invalid_model") from None
+    for k, endpoint in enumerate(model.endpoints):
+        if endpoint.api_key_file is not None:
+            raise ApiError(400, f"endpoints[{k}].api_key_file: an endpoint with a key is "
+                           "declared in server.yaml (a reload applies it: systemctl reload "
+                           "llmgw-server), not over the API, where a key file could be any "
+                           "file the server can read", param=f"endpoints[{k}].api_key_file",
+                           code="invalid_model")
+    try:
+        read_secrets([("model", model)])  # its CA files, on this server
+    except ConfigError as err:
+        text = str(err).removeprefix("model.")
+        raise ApiError(400, text, param=text.split(":", 1)[0], code="invalid_model") from None
     return NewModel(written, model)
 
 
@@ -220,8 +277,14 @@ async def remove_from_catalog(parts: ModelParts, name: str) -> ModelRemoved:
     async with parts.lock:
         if any(m.name == name for m in config.models):
             raise ApiError(409, f"model {name!r} is declared in server.yaml: remove it there "
-                           "and restart the server (to stop its replicas meanwhile: `llmgw "
-                           f"ctl models scale {name} 0`)", code="model_in_config")
+                           "and reload the server (`systemctl reload llmgw-server`, or "
+                           f"SIGHUP); to stop its replicas meanwhile: `llmgw ctl models scale "
+                           f"{name} 0`", code="model_in_config")
+        leaning = fallen_back_on(await entries(store, config), name)
+        if leaning:
+            raise ApiError(409, f"model {name!r} is a fallback of {', '.join(leaning)}: "
+                           "remove it from their fallbacks first (their requests would "
+                           "otherwise lose it without a word)", code="model_in_use")
         if not await store.delete_model(name):
             await _find(store, config, name)  # says what to do
         log.info("model %s removed over the API; its replicas stop", name)
@@ -234,6 +297,10 @@ async def set_replicas(parts: ModelParts, name: str, replicas: int | None) -> Mo
     store, config = parts.store, parts.settings
     async with parts.lock:
         entry = await _find(store, config, name)
+        if not entry.model.profiles:
+            raise ApiError(400, f"model {name!r} has no profiles: llmgw runs no replica of "
+                           "it, its endpoints serve it; declare a profile to run replicas "
+                           "of it too", param="replicas", code="invalid_value")
         if entry.source == CONFIG:
             raw = next(m for m in config.models if m.name == name)
             await store.put_model(name, stored_spec(CONFIG, msgspec.to_builtins(raw),

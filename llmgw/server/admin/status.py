@@ -62,6 +62,10 @@ class ModelStatus(msgspec.Struct):
     weights: list[WeightsHeld]
     replicas_ready: int
     unplaced: str | None
+    # Scale to zero: unloaded after idle_unload_s without a request (null: never), down to
+    # min_replicas, and whether it is so now (a request wakes it).
+    idle_unload_s: float | None = None
+    asleep: bool = False
 
 
 class Logins(msgspec.Struct):
@@ -180,7 +184,8 @@ def model_status(m: Model, controller: Controller, sessions: list[NodeSession]
         weights_in_fabrics=sorted({h.fabric for h in held if h.fabric}), weights=held,
         replicas_ready=sum(1 for r in controller.replicas.values()
                            if r.model == m.name and r.state.value == "ready"),
-        unplaced=controller.unplaced.get(m.name))
+        unplaced=controller.unplaced.get(m.name), idle_unload_s=m.idle_unload_s,
+        asleep=m.name in controller.asleep)
 
 
 def _replica_view(r: Replica, in_flight: dict[str, int], reason: str) -> ReplicaView:

@@ -30,7 +30,7 @@ from llmgw.core.catalog import Name, may_use
 from llmgw.core.routing import DEFAULT_PREFIX_BYTES, affinity_key
 from llmgw.server.auth import bearer
 from llmgw.server.errors import ApiError
-from llmgw.server.openai.router import Lease, Saturated
+from llmgw.server.openai.router import Lease, QueueFull, Saturated
 from llmgw.store import ApiKeyRecord
 from llmgw.transport.pool import JSON_TYPE
 
@@ -56,8 +56,8 @@ class GatewayContext:
     handler that takes it as a dependency gets it as it is, not converted field by
     field."""
 
-    __slots__ = ("api_keys", "config", "controller", "metrics", "router", "store",
-                 "upstream", "usage")
+    __slots__ = ("api_keys", "awaiting", "config", "controller", "metrics", "router",
+                 "store", "upstream", "usage")
 
     def __init__(self, *, config: ServerConfig, controller: Controller, router: Router,
                  store: Store, metrics: Metrics, usage: UsageRecorder, api_keys: KeyCache,
@@ -70,6 +70,8 @@ class GatewayContext:
         self.usage = usage
         self.api_keys = api_keys
         self.upstream = upstream  # made in the app's lifespan, on its event loop
+        # Per model, the requests waiting for a replica on its way (_replica_on_its_way).
+        self.awaiting: dict[str, int] = {}
 
 
 class Head(msgspec.Struct):
@@ -146,10 +148,7 @@ class Ask:
         here on, and its body names it, as its engine serves it (an engine refuses a
         ``model`` it was not started with)."""
         self.model = name
-        if self.content_type == JSON_TYPE:
-            self.body = json_with_model(self.body, name)
-        else:
-            self.body = form_with_model(self.body, self.content_type, name)
+        self.body = body_with_model(self.body, self.content_type, name)
 
     def refused_by(self, replica: str, why: str) -> None:
         """``replica`` did not take the request (no engine worked on it): try another."""
@@ -186,6 +185,9 @@ def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
             ask.shows_model = True
     else:  # fell back: the fallback's now
         model = ask.model
+    controller = state.controller
+    if model in controller.sleepy:
+        controller.requested(model)  # noted; wakes it when it sleeps
     if not ask.admitted:
         return Wait.LIMITS
     router = state.router
@@ -196,7 +198,7 @@ def decide(state: GatewayContext, ask: Ask) -> Lease | Wait | ApiError:
     if lease is not None:
         return lease
     if (ask.shows_model and not router.reachable(model, ask.tried)
-            and not state.controller.expecting(model) and fall_back(state, ask)):
+            and not controller.expecting(model) and fall_back(state, ask)):
         return decide(state, ask)  # for the fallback (a chain ends: it recurses as far)
     return Wait.SLOT
 
@@ -223,6 +225,10 @@ async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
             affinity = ask.affinity(router) if state.config.gateway.affinity else None
             try:
                 lease = await router.acquire(ask.model, affinity, exclude=ask.tried)
+                if lease is not None:
+                    return lease
+                if not await _replica_on_its_way(state, ask) and not fall_back(state, ask):
+                    return None
             except Saturated as err:
                 refusal = ApiError(429, str(err), code=err.code,
                                    headers={"retry-after": str(err.retry_after_s)})
@@ -230,10 +236,6 @@ async def admit(state: GatewayContext, ask: Ask) -> Lease | None:
                     continue
                 state.metrics.refused(ask.model, err.code)
                 raise final_refusal(ask, refusal) from None
-            if lease is not None:
-                return lease
-            if not await _replica_on_its_way(state, ask) and not fall_back(state, ask):
-                return None
         else:
             raise decision
 
@@ -242,15 +244,32 @@ async def _replica_on_its_way(state: GatewayContext, ask: Ask) -> bool:
     """With no replica to take the request: when one is on its way (the controller says
     so), wait for the routing table to change, within ``gateway.queue_wait_s`` in all,
     and say whether to ask again. A slow answer rather than a 503 while a restarted
-    server hears from its nodes, or while an engine that stopped answering this server is
-    replaced or comes back."""
+    server hears from its nodes, while an engine that stopped answering this server is
+    replaced or comes back, or while a model a request woke from its sleep starts (then
+    up to the model's ``wake_timeout_s``)."""
     now = time.monotonic()
     if ask.replica_due is None:
-        ask.replica_due = now + state.config.gateway.queue_wait_s
+        ask.replica_due = now + max(state.config.gateway.queue_wait_s,
+                                    state.controller.wake_left(ask.model))
     left = ask.replica_due - now
-    if left <= 0 or not state.controller.expecting(ask.model):
+    model = ask.model
+    if left <= 0 or not state.controller.expecting(model):
         return False
-    await state.router.changed(left)
+    # As many wait as the model's queue holds (``gateway.queue_max``): a flood of requests
+    # for a model that is starting must not pile up without bound.
+    awaiting = state.awaiting
+    count = awaiting.get(model, 0)
+    if count >= state.config.gateway.queue_max:
+        raise QueueFull(f"{count} request(s) already wait for a replica of {model!r} to "
+                        "start", state.router.retry_after_s)
+    awaiting[model] = count + 1
+    try:
+        await state.router.changed(left)
+    finally:
+        if awaiting[model] > 1:
+            awaiting[model] -= 1
+        else:
+            del awaiting[model]
     return True
 
 
@@ -263,7 +282,10 @@ def no_replica(state: GatewayContext, ask: Ask) -> ApiError:
 def _no_replica_of(state: GatewayContext, ask: Ask) -> ApiError:
     why = ("; ".join(ask.refusals) if ask.refusals
            else state.controller.why_not_ready(ask.model))
-    return ApiError(503, f"no replica of {ask.model!r} can take the request: {why}",
+    model = state.controller.catalog.get(ask.model)
+    # A model served by static endpoints only has no replicas to speak of.
+    what = "endpoint" if model is not None and not model.profiles else "replica"
+    return ApiError(503, f"no {what} of {ask.model!r} can take the request: {why}",
                     code="no_ready_replica", headers={"retry-after": "5"})
 
 
@@ -290,6 +312,7 @@ def fall_back(state: GatewayContext, ask: Ask, refusal: ApiError | None = None) 
             ask.first_refusal = refusal
         else:
             ask.fallback_refusals += (refusal.message,)
+        state.metrics.fell_back(ask.model, fallback.model.name)
         ask.serve_as(fallback.model.name)
         ask.refusals = []
         ask.replica_due = None
@@ -355,6 +378,15 @@ def not_listed(catalog: Catalog, name: str, allowed: list[str] | None) -> ApiErr
 
 # A JSON body's top-level fields, each kept as its bytes: what renaming ``model`` needs.
 _fields_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def body_with_model(body: bytes, content_type: bytes, name: str) -> bytes:
+    """``body`` (JSON, or multipart/form-data as ``content_type`` says) naming model
+    ``name``: for an alias's model (``Ask.serve_as``), or a static endpoint's own name for
+    it (``proxy.body_for``)."""
+    if content_type == JSON_TYPE:
+        return json_with_model(body, name)
+    return form_with_model(body, content_type, name)
 
 
 def json_with_model(body: bytes, name: str) -> bytes:

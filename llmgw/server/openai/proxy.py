@@ -1,10 +1,13 @@
 """Forwarding one request to an engine, and writing its answer to the client, stream or not.
 
 The client's body is forwarded exactly as sent (but for a request sent to an alias, whose
-``model`` admission set to the model's name); only ``model`` and ``stream`` were read to
-route it. The answer is written through the server's BodyWriter where it offers one
-(llmgw's own server does): a whole answer at once (``write_whole``), a streamed one chunk
-by chunk as the engine writes it, from the engine connection's callback, never buffered.
+``model`` admission set to the model's name, and one sent to a static endpoint with a name
+of its own for the model, whose ``model`` is set to that name: ``body_for``); only
+``model`` and ``stream`` were read to route it. A static endpoint's requests carry its
+path, key and TLS (its ``transport.target.Target``). The answer is written through the
+server's BodyWriter where it offers one (llmgw's own server does): a whole answer at
+once (``write_whole``), a streamed one chunk by chunk as the engine writes it, from the
+engine connection's callback, never buffered.
 Under another server it goes through the request's ASGI ``send``. Cancelling the task
 that forwards (the route does when the client goes away) closes the upstream connection,
 so the engine stops generating for nobody.
@@ -20,7 +23,9 @@ import msgspec
 
 from llmgw.config import Gateway
 from llmgw.core.usage import StreamUsage
+from llmgw.server.endpoints import key_refused
 from llmgw.server.errors import ApiError
+from llmgw.server.openai.admission import body_with_model
 from llmgw.server.openai.router import Lease
 from llmgw.server.openai.timing import StreamClock, timed_sink
 from llmgw.transport.answer import Answer
@@ -102,20 +107,31 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
     this ends. What a successful answer used (the tokens the engine reported, or None) is
     told to ``progress`` once (``Progress.answered``, ``Progress.streamed``)."""
     endpoint, gateway, stream = lease.endpoint, state.config.gateway, ask.stream
+    remote = endpoint.remote  # None for a replica
     try:
         try:
             upstream = await state.upstream.post(
-                endpoint.host, endpoint.port, ask.path, ask.body,
+                endpoint.host, endpoint.port, ask.path,
+                ask.body if remote is None else body_for(ask, remote.model),
                 ACCEPT_STREAM if stream else JSON_TYPE,
                 first_byte_timeout_s=gateway.first_byte_timeout_s,
-                idle_timeout_s=gateway.idle_timeout_s, content_type=ask.content_type)
+                idle_timeout_s=gateway.idle_timeout_s, content_type=ask.content_type,
+                target=None if remote is None else remote.target)
         except UpstreamError as err:
+            if remote is not None and isinstance(err, ConnectError):
+                state.controller.endpoints.recheck()  # out of routing soon, if it is down
             raise no_head(err, lease.replica, gateway) from None
         if ask.shows_model:
             show_model(upstream, ask.model)
         try:
             if upstream.status == 503:
                 raise Retryable(f"{lease.replica} answered 503")
+            if remote is not None and upstream.status in (401, 403):
+                # Its key (llmgw's, not the client's) was refused: the client is not told
+                # its own was. No work was done: another replica or endpoint may take it.
+                state.controller.endpoints.recheck()
+                raise Retryable(f"{lease.replica} ({remote.endpoint.url}): "
+                                f"{key_refused(remote.endpoint, upstream.status)}")
             if stream and is_event_stream(upstream.status, upstream.headers):
                 await _relay(upstream, lease.replica, gateway, send, progress, writer)
             else:
@@ -126,6 +142,15 @@ async def forward(state: GatewayContext, lease: Lease, ask: Ask, send: Send,
             upstream.close()
     finally:
         lease.release()
+
+
+def body_for(ask: Ask, upstream_model: str | None) -> bytes:
+    """The body of ``ask`` as a static endpoint with its own name for the model
+    (``upstream_model``) is sent it: that name as ``model``. The ask's own body is kept
+    for a retry on another replica or endpoint."""
+    if upstream_model is None or upstream_model == ask.model:
+        return ask.body
+    return body_with_model(ask.body, ask.content_type, upstream_model)
 
 
 def show_model(answer: Answer, model: str) -> None:

@@ -1,6 +1,9 @@
 """Which replica serves a request, and the wait when every replica is busy.
 
-The controller publishes the ready replicas after every change (:meth:`Router.update`).
+The controller publishes the ready replicas after every change (:meth:`Router.update`),
+and with them each model's static endpoints (servers someone else runs, by URL:
+``server.endpoints``), which are routed to as replicas are; an endpoint's
+:class:`Endpoint` holds its ``remote``, None for a replica.
 A request takes a :class:`Lease` on one replica's slot before it is forwarded and gives
 it back when its answer is done, streamed or not; the choice itself is
 :func:`llmgw.core.routing.choose` (affinity with bounded load, then the power of two
@@ -25,8 +28,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmgw.core import routing
+
+if TYPE_CHECKING:
+    from llmgw.server.endpoints import Remote
 
 log = logging.getLogger(__name__)
 DEFAULT_SLOTS = 64
@@ -68,6 +75,8 @@ class Endpoint:
     outstanding: int = 0
     # The model's pool while this replica is in the table; None once it left.
     pool: _Pool | None = field(default=None, repr=False)
+    # A static endpoint's URL, key and upstream name for the model; None for a replica.
+    remote: Remote | None = field(default=None, repr=False)
 
 
 class Lease:
@@ -196,7 +205,8 @@ class Router:
 
     def update(self, ready: Mapping[str, Iterable[tuple]]) -> None:
         """Replace the table: per model, ``(replica, address, port)`` or
-        ``(replica, address, port, slots)`` of each ready replica.
+        ``(replica, address, port, slots)`` of each ready replica, and
+        ``(name, host, port, slots, remote)`` of each static endpoint to route to.
 
         Replicas that stay keep their counts; leases on replicas that left still release
         safely. Waiters are served when the change freed room, and answered ``None`` when
@@ -211,6 +221,7 @@ class Router:
                 if endpoint is None or (endpoint.host, endpoint.port) != (address, port):
                     endpoint = Endpoint(replica, address, port)
                 endpoint.slots = rest[0] if rest and rest[0] else self.default_slots
+                endpoint.remote = rest[1] if len(rest) > 1 else None
                 endpoint.pool = pool
                 endpoints.append(endpoint)
             if [e.replica for e in endpoints] != [e.replica for e in pool.endpoints]:

@@ -248,6 +248,11 @@ class GatewayFront:
         if type(lease) is not Lease:
             return False  # the task path waits for it, or says why not
         endpoint, gateway = lease.endpoint, state.config.gateway
+        if endpoint.remote is not None:
+            # A static endpoint (a server someone else runs): sent from a task, with its
+            # path, key and TLS (proxy.forward).
+            lease.release()
+            return False
         answer = pool.send_now(
             endpoint.host, endpoint.port,
             request_bytes(endpoint.host, endpoint.port, path, ask.body,

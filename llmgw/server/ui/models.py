@@ -1,5 +1,6 @@
-"""The models pages: every model with its replicas ready and wanted and where they run;
-one model's replicas and shards, why a replica is not placed (placement's reason per node
+"""The models pages: every model with its replicas ready and wanted and where they run,
+and its static endpoints answering; one model's replicas and shards, its endpoints and
+their health, why a replica is not placed (placement's reason per node
 turned down), and a shard's output. Admins add, scale and remove models here with the
 same functions, checks and words as ``/api/models`` (``server.admin.models``). A user
 sees what ``GET /api/models`` tells them: names, descriptions, replicas ready and wanted.
@@ -199,8 +200,11 @@ async def model_page(request: Request, name: str) -> Template:
     if view is None:
         raise ApiError(404, f"no model {name!r}: the Models page lists them "
                        f"({MODELS})", code="model_not_found")
+    declared = state.controller.catalog.get(name)
     context = {"title": f"Model {name}", "model": view, "admin": page.is_admin,
-               "from_config": view.source == CONFIG, "here": model_path(name)}
+               "from_config": view.source == CONFIG, "here": model_path(name),
+               # Served by its static endpoints alone: no replica to show or scale.
+               "endpoint_only": declared is not None and not declared.profiles}
     if not page.is_admin:
         if request.query_params.get("log"):
             raise ApiError(403, "the engines' output is for admins, as on the API; ask one "
@@ -209,7 +213,6 @@ async def model_page(request: Request, name: str) -> Template:
     # This model's part of /api/status only: not a view of every node.
     controller = state.controller
     replicas = replica_views(controller, state.router, name)
-    declared = controller.catalog.get(name)
     status_model = (model_status(declared, controller,
                                  await known_sessions(controller, state.store))
                     if declared is not None else None)

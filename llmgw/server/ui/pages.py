@@ -12,6 +12,7 @@ from llmgw.core.replicas import ReplicaState
 from llmgw.server.admin.accounts import Credentials, check_login, session_cookie
 from llmgw.server.admin.status import Status, cluster_status
 from llmgw.server.auth.sessions import COOKIE, close_session
+from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError
 from llmgw.server.ui.charts import Column, stacked_bars
 from llmgw.server.ui.page import (
@@ -98,7 +99,7 @@ def _cut(text: str, room: int = 300) -> str:
     return text if len(text) <= room else text[:room - 1] + "…"
 
 
-def attention(status: Status) -> list[Attention]:
+def attention(status: Status, controller: Controller) -> list[Attention]:
     found = []
     for node in status.nodes:
         href = f"{PREFIX}/nodes/{node.id}"
@@ -119,6 +120,12 @@ def attention(status: Status) -> list[Attention]:
             # One reason per node turned down: its page has them all.
             found.append(Attention(f"{model.name} has no place: {_cut(model.unplaced)}",
                                    f"{PREFIX}/models/{model.name}"))
+    for model in controller.catalog.models:
+        if model.endpoints:
+            found.extend(Attention(f"endpoint {e.url} of {model.name} is down: "
+                                   f"{_cut(e.reason or 'no answer')}",
+                                   f"{PREFIX}/models/{model.name}")
+                         for e in controller.endpoints.states(model) if e.health == "down")
     return found
 
 
@@ -144,7 +151,7 @@ async def overview(request: Request) -> Template:
         tokens_chart=stacked_bars(token_columns, ["tokens"], "tokens per minute, last hour"),
         requests_hour=sum(m.requests for m in minutes),
         tokens_hour=sum(m.tokens for m in minutes),
-        attention=attention(status) if page.is_admin else [])
+        attention=attention(status, request.app.state.controller) if page.is_admin else [])
 
 
 @get(f"{PREFIX}/{{rest:path}}", include_in_schema=False)
