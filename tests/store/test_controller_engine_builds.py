@@ -5,30 +5,16 @@ server starts."""
 
 from __future__ import annotations
 
-from llmgw import config, wire
-from llmgw.core import reconcile
-from llmgw.core.catalog import Catalog
-from llmgw.core.inventory import Timeouts
-from llmgw.server.agents.sessions import NodeSessions
+from llmgw import wire
 from llmgw.server.controller import Controller
 from llmgw.store import Store
+from tests.store.controllers import Clock, controller_on
 
 INTERVAL_S = 1.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _controller(store: Store, clock: Clock) -> Controller:
-    return Controller(Catalog(models=()), store,
-                      NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8)),
-                      reconcile.Policy(adoption_grace_s=5), interval_s=INTERVAL_S,
-                      heartbeat_interval_s=1, clock=clock, settings=config.ServerConfig())
+    return controller_on(store, clock, interval_s=INTERVAL_S)
 
 
 def _register(node_id: str) -> wire.Register:

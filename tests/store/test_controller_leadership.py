@@ -10,31 +10,20 @@ import pytest
 
 from llmgw import config, wire
 from llmgw.core import reconcile
-from llmgw.core.inventory import Timeouts
-from llmgw.server.agents.sessions import Close, NodeSessions
+from llmgw.server.agents.sessions import Close
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller import CLOSE_NOT_LEADER, Controller
 from llmgw.store import Store
 from llmgw.store.leases import Fenced
+from tests.store.controllers import Clock, controller_on
 
 SETTINGS = msgspec.convert({"models": [{"name": "m", "profiles": [{"engine": "sim"}],
                                         "replicas": 1}]}, config.ServerConfig)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def _controller(store: Store, clock: Clock) -> Controller:
     catalog = catalog_of(await entries(store, SETTINGS))
-    return Controller(catalog, store, NodeSessions(Timeouts(unreachable_after_s=3,
-                                                            lost_after_s=8)),
-                      reconcile.Policy(adoption_grace_s=5), interval_s=1,
-                      heartbeat_interval_s=1, clock=clock, settings=SETTINGS)
+    return controller_on(store, clock, catalog=catalog, settings=SETTINGS)
 
 
 def _register(node_id: str, running: list[wire.RunningShard] = ()) -> wire.Register:

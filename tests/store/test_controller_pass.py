@@ -7,29 +7,17 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from llmgw import wire
-from llmgw.config import ServerConfig
 from llmgw.core import reconcile
-from llmgw.core.catalog import Catalog
 from llmgw.core.inventory import Timeouts
 from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.controller import Controller
 from llmgw.store import NodeRecord, Store
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.store.controllers import Clock, controller_on
 
 
 def _controller(store: Store, clock: Clock) -> Controller:
     """A controller with no models, nodes unreachable after 3 s and lost after 8 s."""
-    return Controller(Catalog(), store, NodeSessions(Timeouts(unreachable_after_s=3,
-                                                              lost_after_s=8)),
-                      reconcile.Policy(), interval_s=1, heartbeat_interval_s=1, clock=clock,
-                      settings=ServerConfig())
+    return controller_on(store, clock, policy=reconcile.Policy())
 
 
 def _register(node_id: str) -> wire.Register:

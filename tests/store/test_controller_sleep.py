@@ -10,12 +10,11 @@ import msgspec
 
 from llmgw import config, wire
 from llmgw.core import reconcile
-from llmgw.core.inventory import Timeouts
 from llmgw.server.activity import SETTING
-from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.catalog import catalog_of, entries
 from llmgw.server.controller import Controller
 from llmgw.store import Store
+from tests.store.controllers import Clock, controller_on
 
 IDLE_S = 60.0
 SETTINGS = msgspec.convert({"models": [
@@ -25,20 +24,9 @@ SETTINGS = msgspec.convert({"models": [
 ]}, config.ServerConfig)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def _controller(store: Store, clock: Clock) -> Controller:
     catalog = catalog_of(await entries(store, SETTINGS))
-    return Controller(catalog, store, NodeSessions(Timeouts(unreachable_after_s=3,
-                                                            lost_after_s=8)),
-                      reconcile.Policy(adoption_grace_s=5), interval_s=1,
-                      heartbeat_interval_s=1, clock=clock, settings=SETTINGS)
+    return controller_on(store, clock, catalog=catalog, settings=SETTINGS)
 
 
 async def _leader(store: Store, clock: Clock, holder: str = "a") -> Controller:
@@ -158,9 +146,8 @@ async def test_a_model_never_asked_for_costs_the_store_nothing(store: Store) -> 
     clock = Clock()
     plain = msgspec.convert({"models": [{"name": "always", "profiles": [{"engine": "sim"}]}]},
                             config.ServerConfig)
-    leader = Controller(catalog_of(await entries(store, plain)), store,
-                        NodeSessions(Timeouts()), reconcile.Policy(), interval_s=1,
-                        heartbeat_interval_s=1, clock=clock, settings=plain)
+    leader = controller_on(store, clock, catalog=catalog_of(await entries(store, plain)),
+                           settings=plain)
     leader.took_lead((await store.take_lead("a", "x", ttl_s=60)).term)
     await _pass(leader)
     assert leader.sleepy == frozenset()

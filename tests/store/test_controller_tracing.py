@@ -11,12 +11,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmgw import config, wire
 from llmgw.config import ServerConfig
 from llmgw.core import reconcile
-from llmgw.core.catalog import Catalog
-from llmgw.core.inventory import Timeouts
-from llmgw.server.agents.sessions import NodeSessions
 from llmgw.server.controller import Controller
 from llmgw.store import Store
 from llmgw.tracing import Tracing
+from tests.store.controllers import controller_on
 
 
 def _controller(store: Store, name: str, gpus: int = 0) -> Controller:
@@ -24,10 +22,8 @@ def _controller(store: Store, name: str, gpus: int = 0) -> Controller:
     model = config.Model(name=name, profiles=[config.Profile(engine="sim", gpus=gpus)])
     settings = ServerConfig(engines={}, models=[model])
     # The catalog comes from server.yaml's models at the first pass.
-    return Controller(Catalog(), store,
-                      NodeSessions(Timeouts(unreachable_after_s=3, lost_after_s=8)),
-                      reconcile.Policy(adoption_grace_s=0), interval_s=1,
-                      heartbeat_interval_s=1, settings=settings)
+    return controller_on(store, settings=settings,
+                         policy=reconcile.Policy(adoption_grace_s=0))
 
 
 async def _node(controller: Controller, node_id: str) -> asyncio.Queue[wire.Down]:

@@ -14,6 +14,7 @@ from llmgw.server.auth import KeyCache, create_api_key, keys
 from llmgw.server.auth.keys import _CRC_LEN, _checksum, key_id, new_api_key
 from llmgw.store import AccountRecord, ApiKeyRecord, Store
 from llmgw.store import store as store_module
+from tests.store.controllers import Clock
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -38,14 +39,6 @@ class Reads:
         if self.gate is not None:
             await self.gate.wait()
         return found
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def test_a_key_is_read_once_per_ttl_however_many_requests_use_it(store):
