@@ -974,10 +974,13 @@ class Controller:
             return "; ".join(f"{r.id} did not answer this server's health check, and "
                              f"{self._node_words(r)}" for r in unanswered)
         if not mine:
+            found = self.catalog.get(model)
+            if found is not None and found.replicas == 0:
+                return (f"it is scaled to 0 replicas; scale it up (`llmgw ctl models scale "
+                        f"{model} N`), or give it idle_unload_s so that requests wake it")
             return "no replica is placed yet"
         return "; ".join(f"{r.id} is {r.state.value}" + (f" ({r.reason})" if r.reason else "")
                          for r in mine)
-
 
 
 def _action_kind(action: reconcile.Action, replica: Replica, all_lost: bool

@@ -98,7 +98,10 @@ def test_a_key_not_allowed_the_fallback_gets_the_model_s_own_refusal(cluster):
         assert refused.value.status_code == 503
         body = refused.value.body
         assert body["code"] == "no_ready_replica", body
-        assert body["message"].startswith("no replica of 'primary' can take the request")
+        assert body["message"] == (
+            "no replica of 'primary' can take the request: it is scaled to 0 replicas; scale "
+            "it up (`llmgw ctl models scale primary N`), or give it idle_unload_s so that "
+            "requests wake it")
         assert "backup" not in body["message"]
 
 
