@@ -164,6 +164,10 @@ async def main(rounds: int) -> None:
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 deadline = time.monotonic() + 60
                 while True:
+                    if server.poll() is not None:
+                        raise RuntimeError(f"llmgw server exited with {server.returncode}; "
+                                           f"see {tmp / 'server.log'}:\n"
+                                           + (tmp / "server.log").read_text()[-3000:])
                     try:
                         await status(http, base, token)
                         break

@@ -261,8 +261,9 @@ def test_a_node_reconnecting_late_after_a_server_restart_keeps_its_replica(make_
     # default): hold it until y has registered and the controller has had time to act.
     late.pause()
     try:
-        cluster.restart_server()
+        # Read before the restart: the new server may act before restart_server() returns.
         log_restart = len(server_log(cluster))
+        cluster.restart_server()
         wait_for(lambda: cluster.node_state(y) == "ready", 10, f"{y} to register")
         placed: list[str] = []
 
@@ -518,8 +519,10 @@ def test_a_higher_priority_model_added_to_a_full_node_evicts_one_lower_replica(
         # An operator declares a more important model and restarts the server: the two
         # low replicas are adopted, one is evicted, and the high one takes its port.
         cluster.models = [SIM_LOW, SIM_HIGH]
-        cluster.restart_server()
+        # Read before the restart: the new server's first pass may evict before
+        # restart_server() returns.
         log_restart = len(server_log(cluster))
+        cluster.restart_server()
         line = cluster.server_log_line("preempting replica")
         victim = line.split("preempting replica ", 1)[1].split()[0]
         assert victim in engines, line
