@@ -15,6 +15,7 @@ import pytest
 from tests.integration.cluster import wait_for
 from tests.integration.conftest import one_node_cluster
 from tests.integration.test_ctl import run
+from tests.integration.ui_session import logged_in
 
 IDLE_S = 2
 NAP = {"name": "nap", "profiles": [{"engine": "sim"}], "idle_unload_s": IDLE_S,
@@ -24,6 +25,7 @@ STRANDED = {"name": "stranded", "profiles": [{"engine": "sim", "gpus": 1}],
             "idle_unload_s": IDLE_S, "wake_timeout_s": 2}
 ALWAYS = {"name": "always", "profiles": [{"engine": "sim"}]}
 HI = [{"role": "user", "content": "hi"}]
+PASSWORD = "a-long-password"
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,16 @@ def test_a_sleeping_model_wakes_on_a_request_and_sleeps_again_when_idle(cluster)
                     "--token", cluster.admin_token)
         assert shown.code == 0, shown.err
         assert "asleep (no request for 2 s); the next one wakes it" in shown.out, command
+    cluster.admin("POST", "/api/users", json={"username": "ops", "password": PASSWORD,
+                                              "role": "admin"}).raise_for_status()
+    browser = logged_in(cluster, "ops", PASSWORD)
+    try:
+        page, listing = browser.get("/ui/models/nap").text, browser.get("/ui/models").text
+    finally:
+        browser.close()
+    assert ("Asleep: no request for 2 s, so it keeps 0. The next request wakes it (one slow "
+            "answer).") in page
+    assert "asleep; the next request wakes it" in listing
     client = _client(cluster)
 
     began = time.monotonic()

@@ -30,6 +30,7 @@ from llmgw import pki
 from llmgw.cli.main import main
 from llmgw.sim.server import SimServer
 from tests.integration.cluster import Cluster, free_port, wait_for
+from tests.integration.ui_session import logged_in
 
 KEY = "upstream-secret-1"
 ROTATED = "upstream-secret-2"
@@ -147,13 +148,7 @@ def _logged_in(c: Cluster) -> httpx.Client:
     password = "a-long-password"
     c.admin("POST", "/api/users", json={"username": "ops", "password": password,
                                         "role": "admin"}).raise_for_status()
-    browser = httpx.Client(base_url=c.base_url, timeout=30)
-    login = browser.get("/ui/login")
-    csrf = re.search(r'name="csrf" value="([^"]+)"', login.text).group(1)
-    done = browser.post("/ui/login", data={"csrf": csrf, "username": "ops",
-                                           "password": password, "next": "/ui/models"})
-    assert done.status_code == 303, done.text
-    return browser
+    return logged_in(c, "ops", password)
 
 
 def _endpoint(c: Cluster, model: str) -> dict:
