@@ -23,6 +23,7 @@ from llmgw.server.ui.keys import (
 from llmgw.server.ui.usage import (
     BARS_MAX,
     CSV_COLUMNS,
+    CSV_ROWS_PER_CHUNK,
     MAX_DAYS,
     OTHER_MODELS,
     SERIES_NAME_MAX,
@@ -32,7 +33,7 @@ from llmgw.server.ui.usage import (
     bar_days,
     day_chart,
     per_model,
-    usage_csv_text,
+    usage_csv_chunks,
     usage_view,
 )
 from llmgw.store import ApiKeyRecord, UsageRecord
@@ -134,7 +135,7 @@ def test_the_csv_has_every_row_and_no_formula() -> None:
                            completion_tokens=4),
                UsageRecord(key_id=9, model="m", day=LAST, requests=1, prompt_tokens=0,
                            completion_tokens=0)]
-    rows = list(csv.reader(io.StringIO(usage_csv_text([tricky], {}, records))))
+    rows = list(csv.reader(io.StringIO("".join(usage_csv_chunks([tricky], {}, records)))))
     assert rows == [list(CSV_COLUMNS),
                     [LAST.isoformat(), "'=HYPERLINK(\"http://evil\") (llmgw_abc)", "", "'@sum",
                      "2", "3", "4"],
@@ -152,3 +153,13 @@ def test_limits_are_read_as_people_write_them() -> None:
     assert set(problems) == {"rpm", "tpm", "tokens_per_day", "tokens_per_month"}
     assert problems["tpm"].startswith("Tokens per minute must be a whole number from 1 to")
     assert "leave it empty for no limit" in problems["rpm"]
+
+
+def test_a_long_csv_comes_in_pieces_that_join_to_every_row() -> None:
+    records = [UsageRecord(key_id=9, model=f"m{i}", day=LAST, requests=i, prompt_tokens=0,
+                           completion_tokens=0) for i in range(2 * CSV_ROWS_PER_CHUNK + 5)]
+    chunks = list(usage_csv_chunks([], {}, records))
+    assert len(chunks) == 3
+    rows = list(csv.reader(io.StringIO("".join(chunks))))
+    assert rows[0] == list(CSV_COLUMNS) and len(rows) == len(records) + 1
+    assert [int(r[4]) for r in rows[1:]] == list(range(len(records)))

@@ -12,14 +12,15 @@ shows the biggest keys (the CSV has them all).
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
 from litestar import Request, Response, get
-from litestar.response import Template
+from litestar.response import Stream, Template
 from markupsafe import Markup
 
 from llmgw.server.admin.keys import owners as owner_names
@@ -287,6 +288,8 @@ async def usage_page(request: Request) -> Template:
 
 CSV_COLUMNS = ("day", "key", "owner", "model", "requests", "prompt_tokens",
                "completion_tokens")
+# Rows formatted between two turns of the event loop (about 7 ms of CPU).
+CSV_ROWS_PER_CHUNK = 1000
 
 
 def _cell(text: str) -> str:
@@ -295,18 +298,31 @@ def _cell(text: str) -> str:
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
-def usage_csv_text(keys: list[ApiKeyRecord], names: Mapping[int, str],
-                   records: Iterable[UsageRecord]) -> str:
+def usage_csv_chunks(keys: list[ApiKeyRecord], names: Mapping[int, str],
+                     records: Iterable[UsageRecord]) -> Iterator[str]:
+    """The CSV, the header first, in pieces of CSV_ROWS_PER_CHUNK rows."""
     by_id = {k.id: k for k in keys if k.id is not None}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\r\n")
     writer.writerow(CSV_COLUMNS)
-    for r in records:
+    for i, r in enumerate(records, 1):
         key = by_id.get(r.key_id)
         writer.writerow((r.day.isoformat(), _cell(key_label(key, r.key_id)),
                          _cell(_owner(key, names)), _cell(r.model), r.requests,
                          r.prompt_tokens, r.completion_tokens))
-    return out.getvalue()
+        if i % CSV_ROWS_PER_CHUNK == 0:
+            yield out.getvalue()
+            out.seek(0)
+            out.truncate()
+    yield out.getvalue()
+
+
+async def _sent_in_turns(chunks: Iterator[str]) -> AsyncIterator[bytes]:
+    """Each piece, then the event loop to other requests: a year of a large cluster's
+    usage is tens of thousands of rows (0.46 s of formatting for 67,500)."""
+    for chunk in chunks:
+        yield chunk.encode()
+        await asyncio.sleep(0)
 
 
 @get(f"{PREFIX}/usage.csv", include_in_schema=False)
@@ -318,8 +334,9 @@ async def usage_csv(request: Request) -> Response:
     keys, records = await visible_usage(store, page.viewer, first, last,
                                         by=("day", "key_id", "model"))
     names = await owner_names(store)
-    return Response(
-        usage_csv_text(keys, names, records), media_type="text/csv; charset=utf-8",
+    return Stream(
+        _sent_in_turns(usage_csv_chunks(keys, names, records)),
+        media_type="text/csv; charset=utf-8",
         headers={"content-disposition":
                  f"attachment; filename=llmgw-usage-{first}-{last}.csv",
                  "cache-control": "no-store"})
