@@ -115,14 +115,18 @@ def node_view(session: NodeSession, replicas: Iterable[Replica],
     free = beat.weights_free_mib if beat else []
     if len(free) != len(inv.weights_dirs):  # the heartbeat lists them in inventory order
         free = [d.free_mib for d in inv.weights_dirs]
+    # GPU memory free as of the last heartbeat, as placement reads it; else the inventory's.
+    gpu_free = beat.gpu_memory_free_mib if beat else []
+    if len(gpu_free) != len(inv.gpus):
+        gpu_free = [g.memory_free_mib for g in inv.gpus]
     return NodeView(
         id=session.node_id,
         address=session.register.address,
         state=session.state.value,
         fabric=inv.fabric,
         labels=inv.labels,
-        gpus=[GpuView(g.index, g.name, g.memory_total_mib, g.memory_free_mib)
-              for g in inv.gpus],
+        gpus=[GpuView(g.index, g.name, g.memory_total_mib, f)
+              for g, f in zip(inv.gpus, gpu_free, strict=True)],
         engines=[EngineView(e.name, e.version, e.state, e.detail) for e in inv.engines],
         disabled_engines=inv.disabled_engines,
         weights=inv.weights,
