@@ -167,7 +167,8 @@ def test_a_nodes_page_shows_its_hardware_and_engines_in_its_words(nodes, admin):
 
     missing = admin.get("/ui/nodes/nobody")
     assert missing.status_code == 404
-    assert "no node 'nobody' has registered; the Nodes page lists those that have" in read(
+    assert ("no node 'nobody' has registered; `llmgw ctl nodes` and the Nodes page list "
+            "those that have") in read(
         missing.text)
 
 

@@ -18,9 +18,13 @@ from litestar.params import FromPath, JSONBody
 from llmgw.core.builds import BUILD_NAMES
 from llmgw.core.desired_engines import BY_DEFAULT, BuildChoice, build_choice_refusal
 from llmgw.server.admin.common import ADMIN, Input, StrictBody
-from llmgw.server.admin.nodes import EngineBuildView, NodeView, engine_build_view, node_view
-from llmgw.server.admin.status import known_session
-from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.admin.nodes import (
+    EngineBuildView,
+    NodeView,
+    engine_build_view,
+    node_view,
+    registered_node,
+)
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, refusals
 
@@ -41,20 +45,12 @@ class EngineBuildSet(msgspec.Struct):
     node: NodeView
 
 
-async def _node(controller: Controller, node_id: str) -> NodeSession:
-    session = await known_session(controller, node_id)
-    if session is None:
-        raise ApiError(404, f"no node {node_id!r} has registered; `llmgw ctl nodes` lists "
-                       "those that have", code="node_not_found")
-    return session
-
-
 async def set_engine_build(controller: Controller, node_id: str, engine: str,
                            choice: str) -> EngineBuildSet:
     """Keep ``choice`` as ``node_id``'s build of ``engine`` and tell the node. Refused
     (ApiError, nothing kept) for a node that never registered (404) or an engine or build
     that is not one (400, naming those that are)."""
-    session = await _node(controller, node_id)
+    session = await registered_node(controller, node_id)
     refusal = build_choice_refusal(engine, choice, default_too=True)
     if refusal:
         raise ApiError(400, refusal, param="build" if engine in BUILD_NAMES else "engine",
@@ -71,7 +67,7 @@ async def set_engine_build(controller: Controller, node_id: str, engine: str,
 @get("/api/nodes/{node_id:str}/engine-builds", **ADMIN, responses=refusals(401, 403, 404))
 async def engine_builds(node_id: FromPath[str], controller: NamedDependency[Controller]
                         ) -> dict[str, EngineBuildView]:
-    session = await _node(controller, node_id)
+    session = await registered_node(controller, node_id)
     return {name: engine_build_view(name, choice)
             for name, choice in controller.build_choices(session.register).items()}
 

@@ -16,9 +16,10 @@ from llmgw.core.desired_engines import DEFAULT_CHOICE, BuildChoice
 from llmgw.core.replicas import Replica
 from llmgw.core.versions import behind_words
 from llmgw.server.admin.common import ADMIN
-from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.agents.sessions import NodeSession, session_of_record
 from llmgw.server.controller import Controller
 from llmgw.server.errors import ApiError, refusals
+from llmgw.store import Store, StoreUnavailable
 
 
 class GpuView(msgspec.Struct):
@@ -144,18 +145,56 @@ def node_view(session: NodeSession, replicas: Iterable[Replica],
 
 
 
+async def known_sessions(controller: Controller, store: Store) -> list[NodeSession]:
+    """The nodes as this server knows them: its own streams' sessions while it leads,
+    else the leader's records in the store (none while the store is out of reach)."""
+    if controller.holds_lead:  # even while not sure of its lease
+        return controller.sessions.all()
+    try:
+        return [session_of_record(r) for r in await store.list_nodes()]
+    except StoreUnavailable:
+        return []
+
+
+async def known_session(controller: Controller, node_id: str) -> NodeSession | None:
+    """One node as this server knows it: its stream's session, else the leader's record
+    in the store (a server that does not lead holds no stream); None for a node never
+    registered. StoreUnavailable when it must read the store and cannot."""
+    session = controller.sessions.get(node_id)
+    if session is None and (record := await controller.store.get_node(node_id)) is not None:
+        session = session_of_record(record)
+    return session
+
+
+async def registered_node(controller: Controller, node_id: str) -> NodeSession:
+    """``known_session``, or the refusal: 404 for a node never registered, 503 when this
+    server does not lead and cannot read the leader's record in the store."""
+    try:
+        session = await known_session(controller, node_id)
+    except StoreUnavailable:
+        raise ApiError(503, "this server does not lead and cannot reach the store to read "
+                       "the leader's record of the node; ask the leader, or again once the "
+                       "store answers", code="store_unavailable") from None
+    if session is None:
+        raise ApiError(404, f"no node {node_id!r} has registered; `llmgw ctl nodes` and the "
+                       "Nodes page list those that have", code="node_not_found")
+    return session
+
+
 @get("/api/nodes", **ADMIN, responses=refusals(401, 403))
-async def list_nodes(controller: NamedDependency[Controller]) -> list[NodeView]:
+async def list_nodes(controller: NamedDependency[Controller],
+                     store: NamedDependency[Store]) -> list[NodeView]:
     on_node = replicas_by_node(controller.replicas.values())
     return [node_view(s, on_node.get(s.node_id, ()), controller.build_choices(s.register))
-            for s in controller.sessions.all()]
+            for s in await known_sessions(controller, store)]
 
 
-async def _drain(controller: Controller, node_id: str, draining: bool) -> NodeView:
-    if controller.sessions.get(node_id) is None:
-        raise ApiError(404, f"no node {node_id!r} has registered", code="node_not_found")
+async def drain_node(controller: Controller, node_id: str, draining: bool) -> NodeView:
+    """On a server that does not lead, the drain is kept in the store, and the leader acts
+    on it at its next read of the models and drains."""
+    session = await registered_node(controller, node_id)
     await controller.set_draining(node_id, draining)
-    session = controller.sessions.get(node_id)
+    session = controller.sessions.get(node_id) or session
     return node_view(session, controller.replicas.values(),
                      controller.build_choices(session.register))
 
@@ -163,13 +202,13 @@ async def _drain(controller: Controller, node_id: str, draining: bool) -> NodeVi
 @post("/api/nodes/{node_id:str}/drain", status_code=200, **ADMIN,
       responses=refusals(401, 403, 404, 415))
 async def drain(node_id: FromPath[str], controller: NamedDependency[Controller]) -> NodeView:
-    return await _drain(controller, node_id, True)
+    return await drain_node(controller, node_id, True)
 
 
 @post("/api/nodes/{node_id:str}/undrain", status_code=200, **ADMIN,
       responses=refusals(401, 403, 404, 415))
 async def undrain(node_id: FromPath[str], controller: NamedDependency[Controller]) -> NodeView:
-    return await _drain(controller, node_id, False)
+    return await drain_node(controller, node_id, False)
 
 
 ROUTES = [list_nodes, drain, undrain]

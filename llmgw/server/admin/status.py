@@ -16,8 +16,13 @@ from llmgw.core.inventory import NodeState
 from llmgw.core.replicas import Replica, ReplicaState
 from llmgw.core.throttle import LoginThrottle
 from llmgw.server.admin.common import ADMIN
-from llmgw.server.admin.nodes import NodeView, node_view, replicas_by_node
-from llmgw.server.agents.sessions import NodeSession, session_of_record
+from llmgw.server.admin.nodes import (
+    NodeView,
+    known_sessions,
+    node_view,
+    replicas_by_node,
+)
+from llmgw.server.agents.sessions import NodeSession
 from llmgw.server.auth.passwords import PasswordHasher
 from llmgw.server.controller import Controller
 from llmgw.server.errors import refusals
@@ -138,27 +143,6 @@ async def cluster_status(controller: Controller, router: Router, throttle: Login
                for s in servers_seen]
     return Status(nodes=nodes, replicas=replicas, models=models, logins=logins,
                   leader=leader, answered_by=leadership.name, servers=servers)
-
-
-async def known_sessions(controller: Controller, store: Store) -> list[NodeSession]:
-    """The nodes as this server knows them: its own streams' sessions while it leads,
-    else the leader's records in the store (none while the store is out of reach)."""
-    if controller.holds_lead:  # even while not sure of its lease
-        return controller.sessions.all()
-    try:
-        return [session_of_record(r) for r in await store.list_nodes()]
-    except StoreUnavailable:
-        return []
-
-
-async def known_session(controller: Controller, node_id: str) -> NodeSession | None:
-    """One node as this server knows it: its stream's session, else the leader's record
-    in the store (a server that does not lead holds no stream); None for a node never
-    registered. StoreUnavailable when it must read the store and cannot."""
-    session = controller.sessions.get(node_id)
-    if session is None and (record := await controller.store.get_node(node_id)) is not None:
-        session = session_of_record(record)
-    return session
 
 
 def replica_views(controller: Controller, router: Router, model: str | None = None

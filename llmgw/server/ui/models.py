@@ -32,7 +32,8 @@ from llmgw.server.admin.models import (
     remove_from_catalog,
     set_replicas,
 )
-from llmgw.server.admin.status import ReplicaView, known_sessions, model_status, replica_views
+from llmgw.server.admin.nodes import known_sessions
+from llmgw.server.admin.status import ReplicaView, model_status, replica_views
 from llmgw.server.catalog import CONFIG
 from llmgw.server.errors import ApiError
 from llmgw.server.ui.page import PREFIX, GoTo, Page, open_page, posted

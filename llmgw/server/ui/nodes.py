@@ -20,9 +20,14 @@ from llmgw import wire
 from llmgw.core.builds import BUILD_NAMES
 from llmgw.core.desired_engines import BUILD_SOURCE_WORDS, BY_DEFAULT, BuildChoice
 from llmgw.server.admin.engine_builds import set_engine_build
-from llmgw.server.admin.nodes import EngineBuildView, NodeView, engine_build_view, node_view
-from llmgw.server.admin.status import known_session
-from llmgw.server.agents.sessions import NodeSession
+from llmgw.server.admin.nodes import (
+    EngineBuildView,
+    NodeView,
+    drain_node,
+    engine_build_view,
+    node_view,
+    registered_node,
+)
 from llmgw.server.controller import DRAINING_SETTING, Controller
 from llmgw.server.errors import ApiError
 from llmgw.server.ui.page import PREFIX, GoTo, open_page, posted
@@ -101,21 +106,6 @@ async def draining_nodes(controller: Controller) -> set[str]:
         return set()
 
 
-async def node_session(controller: Controller, node_id: str) -> NodeSession:
-    """The node as ``/api/status`` reads it (``known_session``); refused (404) for a node
-    never registered."""
-    try:
-        session = await known_session(controller, node_id)
-    except StoreUnavailable:
-        raise ApiError(503, "this server does not lead and cannot reach the store to read "
-                       "the leader's record of the node; try the leader's page, or again "
-                       "once the store answers", code="store_unavailable") from None
-    if session is None:
-        raise ApiError(404, f"no node {node_id!r} has registered; the Nodes page lists those "
-                       "that have", code="node_not_found")
-    return session
-
-
 class BuildRow(msgspec.Struct):
     """One engine's build on this node, and what an admin may choose."""
 
@@ -146,7 +136,7 @@ def build_rows(node: NodeView, register: wire.Register) -> list[BuildRow]:
 async def node_page(request: Request, node_id: str) -> Template:
     page = await open_page(request, admin=True)
     controller: Controller = request.app.state.controller
-    session = await node_session(controller, node_id)
+    session = await registered_node(controller, node_id)
     node = node_view(session, controller.replicas.values(),
                      controller.build_choices(session.register))
     inv = session.register.inventory
@@ -175,8 +165,7 @@ def _back(fields: dict[str, str], node_id: str) -> str:
 async def _set_draining(request: Request, node_id: str, draining: bool) -> GoTo:
     _, fields = await posted(request, admin=True)
     controller: Controller = request.app.state.controller
-    await node_session(controller, node_id)
-    await controller.set_draining(node_id, draining)
+    await drain_node(controller, node_id, draining)
     if draining:
         done = (f"{node_id} is draining: its replicas move to other nodes, each stopping once "
                 "its replacement serves; nothing new is placed there until you undrain it")
