@@ -7,6 +7,7 @@ key files are read, and the endpoints checked, by the server (``server.endpoints
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from dataclasses import dataclass
 
@@ -15,6 +16,10 @@ from llmgw.core.names import url_host
 
 # The ports a URL leaves out.
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# What a URL's host and path may hold as written in a request's head: RFC 3986's
+# characters (a host name, an IPv4 or IPv6 address; a path's segments, %-escapes).
+_HOST = re.compile(r"[A-Za-z0-9.\-:]+")
+_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]+")
 
 
 class EndpointError(ValueError):
@@ -90,6 +95,11 @@ def parse_url(url: str) -> Address:
     if not parts.hostname:
         raise EndpointError(f"{url!r} names no host; write it as an OpenAI client's "
                             "base_url, such as http://10.0.0.5:8000/v1")
+    # urlsplit drops tabs and line breaks without a word: a URL holding one is refused.
+    if not _HOST.fullmatch(parts.hostname) or any(c in url for c in "\t\r\n "):
+        raise EndpointError(f"{url!r} holds a space, a line break or a character no host "
+                            "name has; write it as an OpenAI client's base_url, such as "
+                            "http://10.0.0.5:8000/v1")
     if parts.username is not None or parts.password is not None:
         raise EndpointError("the URL holds a user or password: drop it, and put the API "
                             "key in a file named by api_key_file")
@@ -97,6 +107,9 @@ def parse_url(url: str) -> Address:
         raise EndpointError(f"{url!r} has a query or fragment; an endpoint's URL is its "
                             "base URL only, such as http://10.0.0.5:8000/v1")
     path = parts.path.rstrip("/")
+    if path and not _PATH.fullmatch(path):
+        raise EndpointError(f"{url!r} has a path with characters a URL must %-escape; "
+                            "escape them, as an OpenAI client's base_url would be")
     if not path:
         raise EndpointError(f"{url!r} has no path: requests to it would go to /chat/"
                             "completions; write the base URL an OpenAI client would use, "

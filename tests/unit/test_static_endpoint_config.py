@@ -64,6 +64,10 @@ def test_a_model_with_profiles_and_endpoints_keeps_its_replicas():
     ("{url: 'http://me:pw@h/v1'}", "holds a user or password: drop it, and put the API key"),
     ("{url: 'http://h/v1?x=1'}", "has a query or fragment"),
     ("{url: 'http://h:99999/v1'}", "is not a URL"),
+    # What would break a request's head, or be dropped by urlsplit without a word.
+    ("{url: 'http://a b/v1'}", "holds a space, a line break or a character no host name"),
+    ('{url: "http://h/v1\\r\\nX-Injected: 1"}', "holds a space, a line break"),
+    ("{url: 'http://h/v1/caf\u00e9'}", "has a path with characters a URL must %-escape"),
     ("{url: 'http://h:8000/'}", "has no path: requests to it would go to /chat/completions;"
                                 " write the base URL an OpenAI client would use, usually "
                                 "ending in /v1 (http://h:8000/v1)"),
