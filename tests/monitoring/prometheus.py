@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
-from tests.integration.cluster import cannot, free_port, wait_for
+from tests.integration.cluster import cannot, free_port, http, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "deploy" / "monitoring"
@@ -69,11 +68,11 @@ class Prometheus:
         if self.proc.poll() is not None:
             raise AssertionError(f"prometheus exited with {self.proc.returncode}:\n"
                                  + self.log())
-        return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        return http().get(f"{self.url}/-/ready", timeout=2).status_code == 200
 
     def api(self, path: str, **params: Any) -> Any:
         """The ``data`` of a successful answer of Prometheus' HTTP API."""
-        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
+        answer = http().get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
         answer.raise_for_status()
         body = answer.json()
         assert body["status"] == "success", body
