@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster, http, wait_for
+from tests.integration.cluster import Cluster, wait_for
 from tests.integration.load import ChatLoad
 
 MODEL = "sim-small"
@@ -25,7 +26,7 @@ CONTROLLER = {"interval_s": 0.5, "restart_backoff_initial_s": 0.5, "restart_back
 
 
 def _health(c: Cluster) -> dict:
-    return http().get(f"{c.base_url}/healthz", timeout=2).json()
+    return httpx.get(f"{c.base_url}/healthz", timeout=2).json()
 
 
 @pytest.fixture

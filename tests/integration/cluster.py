@@ -71,22 +71,6 @@ def cannot(reason: str) -> None:
     pytest.skip(reason)
 
 
-_CLIENTS: dict[tuple[str | None, str | None], httpx.Client] = {}
-
-
-def http() -> httpx.Client:
-    """A client for the tests' own calls to a cluster, trusting what SSL_CERT_FILE (or
-    SSL_CERT_DIR) names now. Not ``httpx.get``: httpx makes an SSL context for every client,
-    certifi's bundle read and parsed, about 30 ms of CPU on each of a poll's calls. It keeps
-    no connection alive: an idle one would hold up a server's graceful stop."""
-    trust = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-    client = _CLIENTS.get(trust)
-    if client is None:
-        client = _CLIENTS[trust] = httpx.Client(
-            limits=httpx.Limits(max_keepalive_connections=0))
-    return client
-
-
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1):
     """Poll ``predicate`` until it returns something truthy, or fail naming ``what``."""
     deadline = time.monotonic() + timeout_s
@@ -115,23 +99,15 @@ def _start(args: list[str], log: Path, prefix: Sequence[str] = ()) -> subprocess
 
 
 def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
-    _signal_group(proc, sig)
-    _wait_group(proc, timeout_s)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-
-
-def _wait_group(proc: subprocess.Popen, timeout_s: float = 15) -> None:
-    """Wait for a signalled process to exit; SIGKILL its group after ``timeout_s``."""
+    if proc.poll() is not None:
+        return
     try:
+        os.killpg(proc.pid, sig)
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
         proc.wait(5)
 
 
@@ -259,20 +235,12 @@ class Cluster:
         return path
 
     def start_server(self) -> None:
-        self.launch_server()
-        self.wait_server()
-
-    def launch_server(self) -> None:
-        """Start the server without waiting for it to answer (``wait_server``): an agent
-        started meanwhile dials until it does."""
         path = self.write_server_config()
         if not self.api_key:
             self.server_state.mkdir(parents=True, exist_ok=True)
             self.api_key = self.make_key()
         self.server = _start(["server", "--config", str(path)], self.root / "server.log")
-
-    def wait_server(self) -> None:
-        wait_for(lambda: http().get(f"{self.base_url}/healthz").status_code == 200, 30,
+        wait_for(lambda: httpx.get(f"{self.base_url}/healthz").status_code == 200, 30,
                  "the server to answer /healthz")
         self.admin_token = (self.server_state / "secrets" / "admin-token").read_text().strip()
 
@@ -335,15 +303,15 @@ class Cluster:
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         """One admin API call with the admin token."""
-        return http().request(method, f"{self.base_url}{path}", timeout=10,
-                              headers={"authorization": f"Bearer {self.admin_token}"}, **kwargs)
+        return httpx.request(method, f"{self.base_url}{path}", timeout=10,
+                             headers={"authorization": f"Bearer {self.admin_token}"}, **kwargs)
 
     def replicas(self, model: str) -> list[dict]:
         return [r for r in self.status()["replicas"] if r["model"] == model]
 
     def status(self) -> dict:
-        resp = http().get(f"{self.base_url}/api/status",
-                          headers={"authorization": f"Bearer {self.admin_token}"}, timeout=5)
+        resp = httpx.get(f"{self.base_url}/api/status",
+                         headers={"authorization": f"Bearer {self.admin_token}"}, timeout=5)
         resp.raise_for_status()
         return resp.json()
 
@@ -373,36 +341,10 @@ class Cluster:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        if self.server is not None and self.server.poll() is None:
-            _drop_own_connections(self.port)
-        # SIGTERM to every process at once, then wait: each one's graceful stop takes a
-        # moment (about 0.15 s), which one after another adds up over the suite. Except
-        # the agents run through a prefix, stopped first: their code may be a previous
-        # release's, whose agent reconnects instead of stopping on a SIGTERM that comes as
-        # its stream closes (its server stopping), and is killed 15 s later.
-        prefixed = [a.proc for a in self.agents.values() if a.proc is not None and a.prefix]
-        rest = [p for p in (*(a.proc for a in self.agents.values() if not a.prefix),
-                            self.server) if p is not None]
-        for procs in (prefixed, rest):
-            for proc in procs:
-                _signal_group(proc)
-            for proc in procs:
-                _wait_group(proc)
         for agent in self.agents.values():
-            agent.stop()  # its engine shards, by its records
-
-
-def _drop_own_connections(port: int) -> None:
-    """Shut down this process's connections to ``port``: the kept-alive ones of clients a
-    test left open. A server's graceful stop holds a connection used less than
-    STOP_IDLE_GRACE_S (0.5 s) ago until then (its client may be sending), and one over TLS
-    whose client reads nothing for the whole grace (10 s). Shut down, not closed: the
-    client's socket stays its own, and finds the connection ended, as after the stop."""
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.fd < 0 or not conn.raddr or conn.raddr.port != port:
-            continue
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fd)) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+            agent.stop()
+        if self.server is not None:
+            _stop_group(self.server)
 
 
 def process_alive(pid: int, started_at: float) -> bool:

@@ -93,20 +93,13 @@ def one_node_cluster(root: Path, request: pytest.FixtureRequest, models: list[di
         c.root.mkdir(parents=True, exist_ok=True)
         failed_before = request.session.testsfailed
         try:
+            c.start_server()
             if with_node:
-                # The agent starts beside the server, not once it answers: their imports
-                # overlap, and the agent dials (0.2 s apart, then up to 1 s) until it
-                # answers. The store is written before the server starts.
                 if ca is not None:
-                    c.server_state.mkdir(parents=True, exist_ok=True)
                     agent["tls"] = ca.node_tls("node-a", c.server_state / "llmgw.db")
-                c.launch_server()
                 c.add_agent("node-a", **agent)
-                c.wait_server()
                 for name, count in (ready or {m["name"]: 1 for m in models}).items():
                     c.wait_ready(name, count, timeout_s=90)
-            else:
-                c.start_server()
         except BaseException:
             print(c.logs())
             c.stop()

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import http, wait_for
+from tests.integration.cluster import wait_for
 from tests.integration.conftest import SIM_SMALL, one_node_cluster
-from tests.integration.test_ctl import Ran, run
 
 PASSWORDS = {"alice": "alice's long secret", "bob": "bob's own long secret"}
 # OWASP's minimum argon2id: the cheapest the server accepts, to keep floods quick.
@@ -49,35 +51,31 @@ def cluster(server):
     return server
 
 
-# ctl with no credentials from the shell, and its session file in the test's own
-# directory unless a test names another (conftest.py).
-pytestmark = pytest.mark.usefixtures("ctl_environment")
-
-
-def ctl(cluster, *args: str, token: str | None = None, stdin: str = "",
-        config_home=None) -> Ran:
-    """`llmgw ctl ARGS` through its real entry point, in this process (test_ctl.run): a
-    fresh interpreter per command costs a second on a loaded machine."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("LLMGW_SERVER", cluster.base_url)
-        env.setenv("COLUMNS", "200")
-        if config_home is not None:
-            env.setenv("XDG_CONFIG_HOME", str(config_home))
-        return run("ctl", *args, *(["--token", token] if token else []), stdin=stdin)
+def ctl(cluster, *args: str, token: str | None = None, stdin: str | None = None,
+        config_home=None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LLMGW_SERVER": cluster.base_url, "COLUMNS": "200"}
+    env.pop("LLMGW_TOKEN", None)
+    if config_home is not None:
+        env["XDG_CONFIG_HOME"] = str(config_home)
+    argv = [sys.executable, "-m", "llmgw", "ctl", *args]
+    if token:
+        argv += ["--token", token]
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
+                          timeout=60)
 
 
 def api(cluster, method: str, path: str, token: str | None = None, **kw) -> httpx.Response:
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    return http().request(method, cluster.base_url + path, headers=headers, timeout=30, **kw)
+    return httpx.request(method, cluster.base_url + path, headers=headers, timeout=30, **kw)
 
 
 def add_users(cluster) -> None:
     for name, password in PASSWORDS.items():
         done = ctl(cluster, "users", "add", name, "--password-stdin", "--json",
                    token=cluster.admin_token, stdin=password + "\n")
-        assert done.code == 0, done.err
-        assert json.loads(done.out) == {**json.loads(done.out), "username": name,
-                                        "role": "user", "disabled": False}
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {**json.loads(done.stdout), "username": name,
+                                           "role": "user", "disabled": False}
 
 
 def login(cluster, name: str) -> str:
@@ -93,18 +91,18 @@ def test_two_users_keep_their_keys_to_themselves(cluster, tmp_path):
     home = tmp_path / "alice-config"
     done = ctl(cluster, "login", "alice", "--password-stdin", stdin=PASSWORDS["alice"] + "\n",
                config_home=home)
-    assert done.code == 0, done.err
+    assert done.returncode == 0, done.stderr
     assert oct((home / "llmgw" / "session.json").stat().st_mode & 0o777) == "0o600"
     made = ctl(cluster, "keys", "create", "laptop", "--model", "sim-small", "--json",
                config_home=home)
-    assert made.code == 0, made.err
-    alice_key = json.loads(made.out)
+    assert made.returncode == 0, made.stderr
+    alice_key = json.loads(made.stdout)
     assert alice_key["key"].startswith("llmgw_") and alice_key["owner"] == "alice"
 
     bob = login(cluster, "bob")
     bob_key = api(cluster, "POST", "/api/keys", bob, json={"name": "bob's"}).json()
 
-    listed = json.loads(ctl(cluster, "keys", "list", "--json", config_home=home).out)
+    listed = json.loads(ctl(cluster, "keys", "list", "--json", config_home=home).stdout)
     assert [k["prefix"] for k in listed] == [alice_key["prefix"]]
     assert "key" not in listed[0], "a key is shown once, at creation"
     bobs = api(cluster, "GET", "/api/keys", bob).json()
@@ -121,7 +119,7 @@ def test_two_users_keep_their_keys_to_themselves(cluster, tmp_path):
     assert client.chat.completions.create(
         model="sim-small", messages=[{"role": "user", "content": "hi"}]).choices
     revoked = ctl(cluster, "keys", "revoke", alice_key["prefix"], config_home=home)
-    assert revoked.code == 0, revoked.err
+    assert revoked.returncode == 0, revoked.stderr
     with pytest.raises(openai.AuthenticationError) as err:
         client.chat.completions.create(model="sim-small",
                                        messages=[{"role": "user", "content": "hi"}])
@@ -129,7 +127,7 @@ def test_two_users_keep_their_keys_to_themselves(cluster, tmp_path):
 
     # A user cannot reach the admin's commands.
     denied = ctl(cluster, "users", "list", config_home=home)
-    assert denied.code == 1 and "admin" in denied.err
+    assert denied.returncode == 1 and "admin" in denied.stderr
 
 
 def test_an_expired_key_is_refused_on_the_next_request(shared):
@@ -139,7 +137,7 @@ def test_an_expired_key_is_refused_on_the_next_request(shared):
     url = f"{shared.base_url}/v1/chat/completions"
 
     def refused():
-        resp = http().post(url, json=body, headers={"authorization": f"Bearer {key}"})
+        resp = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"})
         return resp.status_code == 401 and resp.json()["error"]
 
     error = wait_for(refused, 10, "the key to expire")
@@ -277,7 +275,7 @@ def test_disabling_an_account_stops_its_keys_and_sessions(cluster):
     assert httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"}).is_success
 
     done = ctl(cluster, "users", "set", "bob", "--disable", token=cluster.admin_token)
-    assert done.code == 0, done.err
+    assert done.returncode == 0, done.stderr
     refused = httpx.post(url, json=body, headers={"authorization": f"Bearer {key}"})
     assert refused.status_code == 401 and "disabled" in refused.json()["error"]["message"]
     assert api(cluster, "GET", "/api/me", token).status_code == 401

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from llmgw.config import HTTP_SERVERS
-from tests.integration.cluster import Cluster, http, wait_for
+from tests.integration.cluster import Cluster, wait_for
 from tests.integration.conftest import one_node_cluster
 
 SLOW = {"name": "sim-slow", "replicas": 1, "profiles": [
@@ -87,7 +87,7 @@ def _engine(c) -> tuple[int, int]:
 
 
 def _engine_in_flight(port: int) -> int:
-    return http().get(f"http://127.0.0.1:{port}/sim/stats", timeout=5).json()["in_flight"]
+    return httpx.get(f"http://127.0.0.1:{port}/sim/stats", timeout=5).json()["in_flight"]
 
 
 def _gateway_in_flight(c) -> int:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster, http, wait_for
+from tests.integration.cluster import Cluster, wait_for
 from tests.integration.conftest import one_node_cluster
 
 # Slow enough that a stream stays open while other requests go by; a one-token answer
@@ -53,7 +54,7 @@ def _client(cluster: Cluster) -> openai.OpenAI:
 
 
 def _stats(port: int) -> dict:
-    return http().get(f"http://127.0.0.1:{port}/sim/stats", timeout=5).json()
+    return httpx.get(f"http://127.0.0.1:{port}/sim/stats", timeout=5).json()
 
 
 def _served_by(client: openai.OpenAI, engines: dict[str, int], **request) -> str:

@@ -6,10 +6,10 @@ gateway's own, not an engine's: the engine never saw the request."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
-from tests.integration.cluster import http
 from tests.integration.conftest import one_node_cluster
 
 SIM_A = {"name": "sim-a", "profiles": [{"engine": "sim"}], "replicas": 1}
@@ -48,7 +48,7 @@ def _engine_requests(c, model: str) -> int:
     """How many /v1 requests the engine of ``model`` has had (the sim's own count)."""
     [replica] = c.replicas(model)
     [shard] = replica["shards"]
-    stats = http().get(f"http://127.0.0.1:{shard['port']}/sim/stats", timeout=5).json()
+    stats = httpx.get(f"http://127.0.0.1:{shard['port']}/sim/stats", timeout=5).json()
     return stats["requests_total"]
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -14,16 +16,14 @@ import pytest
 
 from tests.hub import hub_in_thread
 from tests.integration.cluster import wait_for
-from tests.integration.test_ctl import run
 
 HELD = "sim-held"
 
 
-@pytest.fixture(autouse=True)
-def _cli(ctl_environment, monkeypatch) -> None:
-    """`llmgw` runs in this process (test_ctl.run): a fresh interpreter per command costs
-    a second of imports. Wide enough that rich does not wrap a path inside a table cell."""
-    monkeypatch.setenv("COLUMNS", "400")
+def _llmgw(*args: str) -> subprocess.CompletedProcess:
+    # Wide enough that rich does not wrap a path inside a table cell.
+    return subprocess.run([sys.executable, "-m", "llmgw", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
 
 
 def _weights_of(cluster, model: str) -> list[dict]:
@@ -46,15 +46,15 @@ def test_weights_copied_in_by_hand_are_seen_shown_per_fabric_and_preferred(make_
     copied.mkdir(parents=True)
     (copied / "model.safetensors").write_bytes(os.urandom(4096))
     (copied / "config.json").write_text('{"architectures": ["Sim"]}')
-    wrote = run("weights", "manifest", str(copied), "--key", HELD)
-    assert wrote.code == 0, wrote.err
+    wrote = _llmgw("weights", "manifest", str(copied), "--key", HELD)
+    assert wrote.returncode == 0, wrote.stderr
     (copied / "model.safetensors").write_bytes(os.urandom(100))  # truncated after all
-    listed = run("weights", "list", "--config", str(node_b.config_path), "--json")
-    assert listed.code == 1, listed.out  # a directory with a problem
-    assert "model.safetensors" in listed.out
+    listed = _llmgw("weights", "list", "--config", str(node_b.config_path), "--json")
+    assert listed.returncode == 1, listed.stdout  # a directory with a problem
+    assert "model.safetensors" in listed.stdout
     assert _weights_of(c, HELD) == []
 
-    assert run("weights", "manifest", str(copied), "--key", HELD).code == 0
+    assert _llmgw("weights", "manifest", str(copied), "--key", HELD).returncode == 0
     held = wait_for(lambda: _weights_of(c, HELD), 15, "node-b's weights to reach the server")
     assert held == [{"fabric": "ib-b", "nodes": ["node-b"], "shared": []}]
     server_log = (c.root / "server.log").read_text()
@@ -80,7 +80,7 @@ def test_a_shared_filer_counts_once_for_its_fabric_and_each_directory_reports_it
     weights = filer / "sim-held"
     weights.mkdir(parents=True)
     (weights / "model.bin").write_bytes(b"w" * 2048)
-    assert run("weights", "manifest", str(weights), "--key", HELD).code == 0
+    assert _llmgw("weights", "manifest", str(weights), "--key", HELD).returncode == 0
     local = {node: tmp_path / f"local-{node}" for node in ("node-a", "node-b")}
     for node in ("node-a", "node-b"):
         c.add_agent(node, fabric="ib-a", weights={"directories": [
@@ -88,15 +88,15 @@ def test_a_shared_filer_counts_once_for_its_fabric_and_each_directory_reports_it
     wait_for(lambda: len(c.status()["nodes"]) == 2, 15, "two nodes")
 
     assert _weights_of(c, HELD) == [{"fabric": "ib-a", "nodes": [], "shared": [str(filer)]}]
-    ctl = run("ctl", "status", "--server", c.base_url, "--token", c.admin_token)
-    assert ctl.code == 0, ctl.err
-    assert f"ib-a: shared {filer}" in ctl.out
+    ctl = _llmgw("ctl", "status", "--server", c.base_url, "--token", c.admin_token)
+    assert ctl.returncode == 0, ctl.stderr
+    assert f"ib-a: shared {filer}" in ctl.stdout
 
     # Each node reports each of its directories, with its disk's space.
-    listed = run("ctl", "nodes", "list", "--json", "--server", c.base_url,
-                 "--token", c.admin_token)
-    assert listed.code == 0, listed.err
-    nodes = {n["id"]: n for n in json.loads(listed.out)}
+    listed = _llmgw("ctl", "nodes", "list", "--json", "--server", c.base_url,
+                    "--token", c.admin_token)
+    assert listed.returncode == 0, listed.stderr
+    nodes = {n["id"]: n for n in json.loads(listed.stdout)}
     assert sorted(nodes) == ["node-a", "node-b"]
     for node_id, node in nodes.items():
         dirs = node["weights_dirs"]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from llmgw.config import ServerConfig, load
-from tests.integration.cluster import free_port, http, wait_for
+from tests.integration.cluster import free_port, wait_for
 from tests.integration.stand_ins import StandIns
 from tests.integration.store_cli import check_rows, llmgw_store, make_server
 from tests.pg import ADMIN_DSN, postgres_required, run_blocking
@@ -89,7 +89,7 @@ def unit(stand_ins: StandIns, server: Path) -> Iterator[str]:
 
 def healthy(url: str) -> bool:
     try:
-        return http().get(url, timeout=2).json()["status"] == "ok"
+        return httpx.get(url, timeout=2).json()["status"] == "ok"
     except httpx.HTTPError:
         return False
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
-from tests.integration.cluster import cannot, free_port, http, wait_for
+from tests.integration.cluster import cannot, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "deploy" / "monitoring"
@@ -68,11 +69,11 @@ class Prometheus:
         if self.proc.poll() is not None:
             raise AssertionError(f"prometheus exited with {self.proc.returncode}:\n"
                                  + self.log())
-        return http().get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
 
     def api(self, path: str, **params: Any) -> Any:
         """The ``data`` of a successful answer of Prometheus' HTTP API."""
-        answer = http().get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
+        answer = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=10)
         answer.raise_for_status()
         body = answer.json()
         assert body["status"] == "success", body

@@ -23,9 +23,10 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.integration.cluster import Cluster, _start, http, wait_for
+from tests.integration.cluster import Cluster, _start, wait_for
 from tests.pg import postgres_required
 
 PREVIOUS = "f1b6077a29e7f21f3596260cc68a97445b08aca4"
@@ -101,6 +102,6 @@ class ReleaseCluster(Cluster):
                                             str(self.server_state / "llmgw.db")).strip()
         self.server = _start(["server", "--config", str(path)], self.root / "server.log",
                              prefix(self.tree))
-        wait_for(lambda: http().get(f"{self.base_url}/healthz").status_code == 200, 30,
+        wait_for(lambda: httpx.get(f"{self.base_url}/healthz").status_code == 200, 30,
                  "the previous release's server to answer /healthz")
         self.admin_token = (self.server_state / "secrets" / "admin-token").read_text().strip()
